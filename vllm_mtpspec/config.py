@@ -1,0 +1,142 @@
+"""What the heads are (HeadsConfig) and how to draft with them (SpecOptions).
+
+Both are plain, typed, keyword-only dataclasses. HeadsConfig is written into a heads
+directory's config.json; SpecOptions arrive from the user (the CLI, or vLLM's
+speculative/additional config) and are validated at start-up so that a typo fails fast.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+FORMAT_VERSION = 1
+
+HEAD_INPUTS = ("hidden", "hidden+token")
+TREE_PRESETS = ("chain", "consensus", "static", "dynamic")
+
+
+class ConfigError(ValueError):
+    """A configuration that cannot work; the message names the field and the fix."""
+
+
+@dataclass(kw_only=True)
+class QuantConfig:
+    bits: int = 2
+    group_size: int = 64
+
+    def __post_init__(self) -> None:
+        if self.bits != 2:
+            raise ConfigError(f"quantization.bits={self.bits}: only 2-bit heads are supported")
+        if self.group_size <= 0 or self.group_size % 4:
+            raise ConfigError(
+                f"quantization.group_size={self.group_size}: must be a positive multiple of 4 "
+                "(four 2-bit values share a byte); 64 is the default"
+            )
+
+
+@dataclass(kw_only=True)
+class HeadsConfig:
+    num_heads: int
+    hidden_size: int
+    vocab_size: int
+    tied: bool = True
+    # "hidden": head i sees h_t alone (Medusa). "hidden+token": head i also sees the input
+    # embedding of x_{t+1}, the token just sampled from h_t (DeepSeek-V3 MTP, FastMTP).
+    head_input: str = "hidden"
+    # Multiplies the token embedding so that it is on the hidden state's scale.
+    embed_scale: float = 1.0
+    temperatures: list[float] = field(default_factory=list)
+    quantization: QuantConfig | None = None
+    base_model_fingerprint: str = ""
+    base_model_name: str = ""
+    base_model_num_params: int = 0        # for reporting the heads' overhead
+    # Measured on held-out data by the training job: rank_accuracy[d][r] is how often the
+    # r-th candidate of head d is the target's token. Static and consensus trees use it.
+    rank_accuracy: list[list[float]] | None = None
+    format_version: int = FORMAT_VERSION
+
+    def __post_init__(self) -> None:
+        if self.num_heads < 1:
+            raise ConfigError(f"num_heads={self.num_heads}: need at least one head")
+        if self.head_input not in HEAD_INPUTS:
+            raise ConfigError(f"head_input={self.head_input!r}: choose one of {HEAD_INPUTS}")
+        if not self.temperatures:
+            self.temperatures = [1.0] * self.num_heads
+        if len(self.temperatures) != self.num_heads:
+            raise ConfigError(
+                f"temperatures has {len(self.temperatures)} entries for {self.num_heads} heads"
+            )
+        if any(t <= 0 for t in self.temperatures):
+            raise ConfigError(f"temperatures={self.temperatures}: each must be > 0")
+        if isinstance(self.quantization, dict):
+            self.quantization = QuantConfig(**self.quantization)
+
+    @property
+    def token_conditioned(self) -> bool:
+        return self.head_input == "hidden+token"
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any], *, source: str = "config.json") -> "HeadsConfig":
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(raw) - known)
+        if unknown:
+            raise ConfigError(f"{source}: unknown field(s) {unknown}; known fields are {sorted(known)}")
+        version = raw.get("format_version", FORMAT_VERSION)
+        if version != FORMAT_VERSION:
+            raise ConfigError(
+                f"{source}: format_version={version}, this vllm-mtpspec reads {FORMAT_VERSION}; "
+                "re-export the heads with a matching version"
+            )
+        try:
+            return cls(**raw)
+        except TypeError as err:  # a missing required field
+            raise ConfigError(f"{source}: {err}") from None
+
+
+@dataclass(kw_only=True)
+class SpecOptions:
+    """How to draft: the user-facing options, shared by the reference decoder and vLLM."""
+
+    heads: str = ""                       # heads directory
+    num_speculative_tokens: int | None = None  # heads used (tree depth); None = all heads
+    tree: str = "chain"
+    max_tree_nodes: int = 16              # node budget for consensus/static/dynamic trees
+    dynamic_top_k: int = 4                # candidates per head considered by dynamic trees
+    min_path_prob: float = 0.02           # adaptive depth: stop growing below this
+    head_rank_accuracy: list[list[float]] | None = None  # static trees: acc[depth][rank]
+    # Per-batch adaptivity: above this many running requests draft one token fewer per
+    # doubling, because verification stops being free once the step is compute bound.
+    batch_backoff_start: int = 16
+
+    def __post_init__(self) -> None:
+        if self.tree not in TREE_PRESETS:
+            raise ConfigError(f"tree={self.tree!r}: unknown tree preset; choose one of {TREE_PRESETS}")
+        if self.num_speculative_tokens is not None and self.num_speculative_tokens < 1:
+            raise ConfigError(f"num_speculative_tokens={self.num_speculative_tokens}: must be >= 1")
+        if self.max_tree_nodes < 1:
+            raise ConfigError(f"max_tree_nodes={self.max_tree_nodes}: must be >= 1")
+        if not 0.0 <= self.min_path_prob < 1.0:
+            raise ConfigError(f"min_path_prob={self.min_path_prob}: must lie in [0, 1)")
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any], *, source: str = "options") -> "SpecOptions":
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(raw) - known)
+        if unknown:
+            raise ConfigError(f"{source}: unknown option(s) {unknown}; known options are {sorted(known)}")
+        return cls(**raw)
+
+    def depth_for(self, heads_config: HeadsConfig, *, source: str = "options") -> int:
+        """The number of heads to use, checked against what the heads directory holds."""
+        k = self.num_speculative_tokens or heads_config.num_heads
+        if k > heads_config.num_heads:
+            raise ConfigError(
+                f"{source}: num_speculative_tokens={k} but the heads directory has only "
+                f"{heads_config.num_heads} heads; lower num_speculative_tokens to at most "
+                f"{heads_config.num_heads} or train more heads"
+            )
+        return k

@@ -1,0 +1,60 @@
+"""Fresh heads for a model: shapes, fingerprint and embedding scale taken from the model."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from vllm_mtpspec.checkpoint import model_fingerprint
+from vllm_mtpspec.config import HeadsConfig
+from vllm_mtpspec.heads import MTPHeads
+
+
+def model_display_name(model_dir: str | Path) -> str:
+    name = Path(model_dir).name
+    for suffix in ("-bf16", "-fp32"):  # cache folders carry their dtype; heads serve both
+        name = name.removesuffix(suffix)
+    return name
+
+
+def embedding_scale(model) -> float:
+    """How much larger the final hidden state is than a token embedding, on average.
+    After the final RMSNorm, |h| ~ |norm weight|; token-conditioned heads multiply the
+    embedding by this ratio so that neither input drowns the other."""
+    norm = getattr(getattr(model, "model", model), "norm", None)
+    embed = model.get_input_embeddings().weight.detach().float()
+    hidden_norm = norm.weight.detach().float().norm() if norm is not None else embed.shape[1] ** 0.5
+    return float(hidden_norm / embed.norm(dim=-1).mean().clamp_min(1e-6))
+
+
+def init_heads(
+    model,
+    model_dir: str | Path,
+    *,
+    num_heads: int,
+    tied: bool = True,
+    head_input: str = "hidden",
+    init_std: float = 0.0,
+    seed: int = 0,
+) -> MTPHeads:
+    """Heads whose blocks start at zero (Medusa; init_std > 0 draws them at random) and,
+    when untied, whose projections start as copies of the model's LM head."""
+    cfg = model.config
+    config = HeadsConfig(
+        num_heads=num_heads,
+        hidden_size=cfg.hidden_size,
+        vocab_size=cfg.vocab_size,
+        tied=tied,
+        head_input=head_input,
+        embed_scale=embedding_scale(model) if head_input == "hidden+token" else 1.0,
+        base_model_fingerprint=model_fingerprint(model_dir),
+        base_model_name=model_display_name(model_dir),
+        base_model_num_params=sum(p.numel() for p in model.parameters()),
+    )
+    heads = MTPHeads(config)
+    if init_std > 0:
+        generator = torch.Generator().manual_seed(seed)
+        with torch.no_grad():
+            heads.block.weight.normal_(0.0, init_std, generator=generator)
+    heads.init_projections_from(model.get_output_embeddings().weight.detach().float())
+    return heads

@@ -1,0 +1,61 @@
+"""Prompt files: JSONL with `prompt` (a string) or `turns` (strings; the first is used),
+an optional `category`; and the chat template that chat models need."""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+
+class PromptsError(ValueError):
+    pass
+
+
+@dataclass(frozen=True)
+class Prompt:
+    text: str
+    category: str = "general"
+    id: str = ""
+
+
+def load_prompts_jsonl(path: str | Path, *, limit: int | None = None) -> list[Prompt]:
+    file = Path(path)
+    if not file.is_file():
+        raise PromptsError(f"prompts file {file} does not exist")
+    prompts: list[Prompt] = []
+    with open(file, encoding="utf-8") as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as err:
+                raise PromptsError(
+                    f"{file}:{lineno}: not a JSON line ({err.msg}); a prompts file is JSONL, one "
+                    'object per line such as {"prompt": "...", "category": "code"}'
+                ) from None
+            if not isinstance(row, dict):
+                raise PromptsError(f"{file}:{lineno}: expected a JSON object, got {type(row).__name__}")
+            if isinstance(row.get("prompt"), str):
+                text = row["prompt"]
+            elif isinstance(row.get("turns"), list) and row["turns"] and isinstance(row["turns"][0], str):
+                text = row["turns"][0]
+            else:
+                raise PromptsError(
+                    f"{file}:{lineno}: needs a string field 'prompt' or a list of strings 'turns'"
+                )
+            prompts.append(Prompt(text, str(row.get("category", "general")), str(row.get("id", lineno))))
+            if limit is not None and len(prompts) >= limit:
+                break
+    if not prompts:
+        raise PromptsError(f"{file} holds no prompts")
+    return prompts
+
+
+def apply_chat_template(tokenizer, text: str) -> str:
+    """Chat models get their template (with the assistant turn opened); base models the text."""
+    if getattr(tokenizer, "chat_template", None):
+        return tokenizer.apply_chat_template(
+            [{"role": "user", "content": text}], tokenize=False, add_generation_prompt=True
+        )
+    return text

@@ -1,0 +1,170 @@
+"""A speculative decoder over a Hugging Face causal LM: the oracle for losslessness and
+the CPU baseline for acceptance measurements.
+
+One step, for a context of L tokens whose last sampled token (the root) is not yet in
+the KV cache:
+  1. the heads read the hidden state that produced the root and propose candidates;
+  2. a tree of candidates is built; root + nodes go through the target in one forward,
+     node i at position L + depth(i), attending to the cached prefix, the root and its
+     own ancestors only (a 4-D mask);
+  3. verification keeps the longest agreeing path and adds the target's bonus token;
+  4. the KV cache keeps the root's and accepted nodes' entries and drops the rest.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from vllm_mtpspec.config import SpecOptions
+from vllm_mtpspec.drafter import Drafter
+from vllm_mtpspec.tree import TreeShape, build_static_shape, dynamic_tree
+from vllm_mtpspec.verify import verify_greedy, verify_sampled
+
+
+@dataclass
+class StepRecord:
+    num_nodes: int          # tree size verified this step
+    accepted_len: int       # tokens emitted this step (accepted drafts + bonus)
+
+
+@dataclass
+class DecodeResult:
+    tokens: list[int]
+    steps: list[StepRecord] = field(default_factory=list)
+    head_hits: list[int] = field(default_factory=list)    # per head: its candidate was accepted
+    head_tries: list[int] = field(default_factory=list)   # per head: steps where it could be
+
+    @property
+    def mean_accepted_len(self) -> float:
+        return sum(s.accepted_len for s in self.steps) / max(len(self.steps), 1)
+
+
+class ReferenceDecoder:
+    def __init__(self, model, drafter: Drafter, options: SpecOptions, *, depth: int | None = None,
+                 rank_accuracy=None) -> None:
+        self.model = model
+        self.drafter = drafter
+        self.options = options
+        self.depth = depth or options.num_speculative_tokens or drafter.num_heads
+        if self.depth > drafter.num_heads:
+            raise ValueError(f"depth {self.depth} > {drafter.num_heads} heads")
+        self.static_shape: TreeShape | None = None
+        if options.tree != "dynamic":
+            self.static_shape = build_static_shape(
+                options.tree, self.depth, max_nodes=options.max_tree_nodes,
+                rank_accuracy=options.head_rank_accuracy or rank_accuracy,
+            )
+
+    @property
+    def _lm_head(self):
+        return self.model.get_output_embeddings()
+
+    def _forward(self, input_ids, positions, cache, mask=None):
+        out = self.model.model(
+            input_ids=input_ids.unsqueeze(0),
+            position_ids=positions.unsqueeze(0),
+            attention_mask=mask,
+            past_key_values=cache,
+            use_cache=True,
+        )
+        hidden = out.last_hidden_state[0]  # [q, d], after the final norm
+        return hidden, self._lm_head(hidden).float(), out.past_key_values
+
+    def _pick(self, logits: torch.Tensor, temperature: float, generator) -> int:
+        if temperature <= 0:
+            return int(logits.argmax())
+        probs = torch.softmax(logits / temperature, dim=-1)
+        return int(torch.multinomial(probs, 1, generator=generator))
+
+    def _tree(self, head_logits: torch.Tensor):
+        """head_logits [k, V] -> (shape, node tokens) for this step."""
+        head_logits = head_logits[: self.depth].float()
+        if self.static_shape is not None:
+            shape = self.static_shape
+            topk = head_logits.topk(max(shape.max_rank, 1), dim=-1).indices
+            return shape, shape.node_tokens(topk)
+        temps = self.drafter.temperatures[: self.depth].unsqueeze(-1).to(head_logits.device)
+        probs = torch.softmax(head_logits / temps, dim=-1)
+        tree = dynamic_tree(probs, max_nodes=self.options.max_tree_nodes,
+                            top_k=self.options.dynamic_top_k, min_path_prob=self.options.min_path_prob)
+        return tree.shape, tree.tokens
+
+    @torch.no_grad()
+    def decode(
+        self,
+        prompt_ids: list[int],
+        *,
+        max_new_tokens: int,
+        eos_token_ids: set[int] = frozenset(),
+        temperature: float = 0.0,
+        seed: int | None = None,
+    ) -> DecodeResult:
+        device = self.model.device
+        generator = None
+        if seed is not None:
+            generator = torch.Generator(device="cpu").manual_seed(seed)
+        prompt = torch.tensor(prompt_ids, device=device)
+        hidden, logits, cache = self._forward(prompt, torch.arange(len(prompt_ids), device=device), None)
+        context_len = len(prompt_ids)
+        root = self._pick(logits[-1], temperature, generator)
+        root_hidden = hidden[-1]
+        result = DecodeResult([root], head_hits=[0] * self.depth, head_tries=[0] * self.depth)
+        dtype = hidden.dtype
+        while len(result.tokens) < max_new_tokens and root not in eos_token_ids:
+            head_logits = self.drafter.head_logits(root_hidden.unsqueeze(0), torch.tensor([root], device=device))[0]
+            shape, node_tokens = self._tree(head_logits)
+            n = len(shape)
+            input_ids = torch.cat([torch.tensor([root], device=device), node_tokens.to(device)])
+            depths = torch.tensor((0,) + shape.depths, device=device)
+            mask = torch.ones(n + 1, context_len + n + 1, dtype=torch.bool, device=device)
+            mask[:, context_len:] = shape.ancestor_mask(include_root=True).to(device)
+            additive = torch.zeros(mask.shape, dtype=dtype, device=device).masked_fill_(~mask, torch.finfo(dtype).min)
+            hidden, logits, cache = self._forward(input_ids, context_len + depths, cache, additive[None, None])
+            if temperature <= 0:
+                verdict = verify_greedy(shape, node_tokens, logits)
+            else:
+                probs = torch.softmax(logits / temperature, dim=-1)
+                verdict = verify_sampled(shape, node_tokens, probs, generator=generator)
+            keep_rows = [0] + [node + 1 for node in verdict.accepted_nodes]
+            _keep_cache_rows(cache, context_len, keep_rows)
+            context_len += len(keep_rows)
+            root_hidden = hidden[keep_rows[-1]]
+            emitted = verdict.emitted
+            result.steps.append(StepRecord(n, len(emitted)))
+            for d in range(min(shape.max_depth, self.depth)):
+                result.head_tries[d] += 1
+                result.head_hits[d] += int(len(verdict.accepted_nodes) > d)
+            for token in emitted:
+                result.tokens.append(token)
+                if token in eos_token_ids or len(result.tokens) >= max_new_tokens:
+                    break
+            root = result.tokens[-1]
+        return result
+
+
+def _keep_cache_rows(cache, context_len: int, keep_rows: list[int]) -> None:
+    """Keeps the prefix and the given rows of the last forward's entries in every layer."""
+    index = torch.cat([
+        torch.arange(context_len),
+        torch.tensor(keep_rows, dtype=torch.long) + context_len,
+    ])
+    for layer in cache.layers:
+        idx = index.to(layer.keys.device)
+        layer.keys = layer.keys.index_select(-2, idx)
+        layer.values = layer.values.index_select(-2, idx)
+
+
+@torch.no_grad()
+def plain_greedy(model, prompt_ids: list[int], *, max_new_tokens: int, eos_token_ids: set[int]) -> list[int]:
+    """The target alone, through transformers' own generate(): the reference output."""
+    input_ids = torch.tensor([prompt_ids], device=model.device)
+    out = model.generate(
+        input_ids,
+        attention_mask=torch.ones_like(input_ids),
+        max_new_tokens=max_new_tokens,
+        do_sample=False,
+        eos_token_id=sorted(eos_token_ids) or None,
+        pad_token_id=sorted(eos_token_ids)[0] if eos_token_ids else None,
+    )
+    return out[0, len(prompt_ids):].tolist()
