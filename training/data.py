@@ -39,10 +39,11 @@ def generate_self_distillation(
     out_dir: str | Path,
     *,
     max_new_tokens: int = 256,
-    max_prompt_tokens: int = 512,
+    max_prompt_tokens: int = 384,
     shard_size: int = 128,
-    dtype: str = "bfloat16",
-    kv_cache_bytes: int = 512 << 20,
+    dtype: str = "float32",
+    kv_cache_bytes: int = 1 << 30,
+    max_num_seqs: int = 64,
     llm=None,
 ) -> Path:
     """Writes shard-*.jsonl with prompt_ids / response_ids per prompt; resumes."""
@@ -62,6 +63,7 @@ def generate_self_distillation(
             max_model_len=max_prompt_tokens + max_new_tokens,
             kv_cache_memory_bytes=kv_cache_bytes,
             enforce_eager=True,
+            max_num_seqs=max_num_seqs,
             disable_log_stats=True,
         )
     tokenizer = llm.get_tokenizer()
@@ -108,6 +110,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--max-new-tokens", type=int, default=256)
     parser.add_argument("--shard-size", type=int, default=128)
     parser.add_argument("--split", choices=("train", "held-out", "all"), default="train")
+    # fp32: on CPUs without native bf16 (AVX2) vLLM's fp32 path is ~4x faster at batch 16.
+    parser.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     prompts = sharegpt_prompts() if args.prompts == "sharegpt" else load_training_prompts(args.prompts)
@@ -115,9 +119,10 @@ def main(argv: list[str] | None = None) -> None:
         want_held_out = args.split == "held-out"
         prompts = [p for p in prompts if is_held_out(p.id) == want_held_out]
     prompts = prompts[: args.max_prompts]
-    model_dir = resolve_model(args.model, dtype="bf16")
+    model_dir = resolve_model(args.model, dtype=args.dtype)
     logger.info("%d prompts -> %s", len(prompts), args.out)
-    generate_self_distillation(model_dir, prompts, args.out, max_new_tokens=args.max_new_tokens, shard_size=args.shard_size)
+    generate_self_distillation(model_dir, prompts, args.out, max_new_tokens=args.max_new_tokens,
+                               shard_size=args.shard_size, dtype={"fp32": "float32", "bf16": "bfloat16"}[args.dtype])
 
 
 if __name__ == "__main__":
