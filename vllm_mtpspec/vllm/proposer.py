@@ -16,6 +16,7 @@ import torch
 
 from vllm_mtpspec.checkpoint import load_heads
 from vllm_mtpspec.vllm.options import check_against_model, options_from_additional_config
+from vllm_mtpspec.vllm.rows import last_sampled_rows
 from vllm_mtpspec.vllm.version import require_supported_vllm
 
 logger = logging.getLogger("vllm_mtpspec")
@@ -52,7 +53,7 @@ class MTPSpecProposer:
                     "tied" if self.heads.config.tied else "untied",
                     "int2" if self.heads.is_quantized else str(self.dtype), self.options.heads)
 
-    def capture_step(self, sample_hidden_states: torch.Tensor, spec_decode_metadata) -> None:
+    def capture_step(self, sample_hidden_states: torch.Tensor, spec_decode_metadata, req_ids=None) -> None:
         self._sample_hidden_states = sample_hidden_states
         self._num_draft_tokens = None if spec_decode_metadata is None else list(spec_decode_metadata.num_draft_tokens)
 
@@ -72,18 +73,10 @@ class MTPSpecProposer:
         depth = self.depth_for_batch(len(sampled_token_ids))
         if hidden_all is None or depth == 0:
             return drafts
-        rows, owners, last_tokens = [], [], []
-        offset = 0
-        with_drafts = self._num_draft_tokens is not None and hidden_all.shape[0] != len(sampled_token_ids)
-        for i, tokens in enumerate(sampled_token_ids):
-            # Request i owns num_drafts + 1 rows; its last sampled token came from the row
-            # of its last accepted position.
-            width = (self._num_draft_tokens[i] + 1) if with_drafts else 1
-            if tokens:  # empty for a partial prefill: nothing to draft yet
-                rows.append(offset + len(tokens) - 1)
-                owners.append(i)
-                last_tokens.append(tokens[-1])
-            offset += width
+        pairs = last_sampled_rows(sampled_token_ids, self._num_draft_tokens, hidden_all.shape[0])
+        owners = [i for i, _ in pairs]
+        rows = [row for _, row in pairs]
+        last_tokens = [sampled_token_ids[i][-1] for i in owners]
         if not rows:
             return drafts
         hidden = hidden_all[torch.tensor(rows, device=hidden_all.device)]

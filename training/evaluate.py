@@ -1,0 +1,128 @@
+"""How well heads predict the target, measured along the target's own greedy answers.
+
+Because the answers are the target's greedy output and the recorded hidden states are
+the ones it had while writing them, greedy speculative decoding can be replayed exactly
+from the data: at answer row r (root token r), a tree's node at depth d is right when
+it equals answer token r + d and its parent was right; the step emits the accepted
+nodes plus one token and continues at row r + accepted + 1.
+"""
+from __future__ import annotations
+
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+
+from vllm_mtpspec.heads import MTPHeads
+from vllm_mtpspec.tree import TreeShape, build_static_shape
+
+TEMPERATURE_GRID = [0.25, 0.35, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0, 1.1, 1.25, 1.5, 1.75, 2.0, 2.5, 3.0]
+RANKS = 8
+
+
+@torch.no_grad()
+def answer_head_logits(heads: MTPHeads, hidden, tokens, lm_head, embed, chunk: int = 256):
+    """Yields (row slice, logits [rows, k, V]) for one answer's rows."""
+    for start in range(0, hidden.shape[0], chunk):
+        h = hidden[start:start + chunk].float()
+        e = embed[tokens[start:start + chunk].long()] if heads.config.token_conditioned else None
+        yield slice(start, start + h.shape[0]), heads(h, token_embeds=e, lm_head=lambda x: x @ lm_head.T)
+
+
+def replay_tree(shape: TreeShape, node_tokens_per_row: torch.Tensor, answer: torch.Tensor) -> list[int]:
+    """Accepted lengths (accepted + 1) of greedy decoding along one answer."""
+    lengths, r, n = [], 0, answer.numel()
+    paths = shape.paths
+    answer_list = answer.tolist()
+    while r < n - 1:
+        tokens = node_tokens_per_row[r].tolist()
+        ok: dict[tuple, bool] = {}
+        best = 0
+        for node, path in enumerate(paths):
+            d = len(path)
+            if r + d >= n:
+                continue
+            good = tokens[node] == answer_list[r + d] and (d == 1 or ok.get(path[:-1], False))
+            ok[path] = good
+            if good:
+                best = max(best, d)
+        emitted = min(best + 1, n - 1 - r)
+        lengths.append(emitted)
+        r += emitted
+    return lengths
+
+
+@torch.no_grad()
+def evaluate_heads(heads: MTPHeads, shard_files: list[Path], *, lm_head: torch.Tensor, embed: torch.Tensor,
+                   trees: tuple[str, ...] = ("chain", "consensus"), max_tree_nodes: int = 16,
+                   fit_temperatures: bool = False, temperature_rows: int = 8192) -> dict:
+    heads = heads.float().eval()
+    k = heads.num_heads
+    shapes = {name: build_static_shape(name, k, max_nodes=max_tree_nodes, rank_accuracy=heads.config.rank_accuracy)
+              for name in trees}
+    max_rank = max([RANKS] + [s.max_rank for s in shapes.values()])
+    hits = torch.zeros(k, max_rank)          # hits[i, r]: target is head i's r-th candidate
+    rows = torch.zeros(k)
+    per_cat = defaultdict(lambda: torch.zeros(3, k))  # [top1, top5, count]
+    nll = torch.zeros(k, len(TEMPERATURE_GRID))
+    fitted_rows = [0] * k
+    accepted = {name: [] for name in trees}
+    accepted_cat = {name: defaultdict(list) for name in trees}
+    for file in shard_files:
+        shard = torch.load(file, weights_only=True)
+        offsets = shard["offsets"].tolist()
+        for j, (start, end) in enumerate(zip(offsets[:-1], offsets[1:])):
+            category = shard["categories"][j]
+            tokens = shard["tokens"][start:end].long()
+            hidden = shard["hidden"][start:end]
+            n = tokens.numel()
+            topk_all = torch.empty(n, k, max_rank, dtype=torch.long)
+            for rows_slice, logits in answer_head_logits(heads, hidden, tokens, lm_head, embed):
+                topk_all[rows_slice] = logits.topk(max_rank, dim=-1).indices
+                for i in range(k):
+                    idx = torch.arange(rows_slice.start, rows_slice.stop)
+                    valid = idx + i + 1 < n
+                    if not valid.any():
+                        continue
+                    target = tokens[(idx + i + 1)[valid]]
+                    cand = topk_all[idx[valid], i]
+                    match = cand == target[:, None]
+                    hits[i] += match.sum(0).float()
+                    rows[i] += valid.sum()
+                    stats = per_cat[category]
+                    stats[0, i] += match[:, 0].sum()
+                    stats[1, i] += match[:, :5].any(-1).sum()
+                    stats[2, i] += valid.sum()
+                    if fit_temperatures and fitted_rows[i] < temperature_rows:  # a sample is enough for one scalar
+                        fitted_rows[i] += int(valid.sum())
+                        lg = logits[valid, i].float()
+                        for t_idx, temp in enumerate(TEMPERATURE_GRID):
+                            logp = torch.log_softmax(lg / temp, dim=-1)
+                            nll[i, t_idx] -= logp.gather(-1, target[:, None]).sum()
+            for name, shape in shapes.items():
+                depth_idx = torch.tensor([d - 1 for d in shape.depths], dtype=torch.long)
+                rank_idx = torch.tensor(shape.ranks, dtype=torch.long)
+                lengths = replay_tree(shape, topk_all[:, depth_idx, rank_idx], tokens)
+                accepted[name].extend(lengths)
+                accepted_cat[name][category].extend(lengths)
+    rank_accuracy = (hits / rows.clamp_min(1)[:, None])
+    summary = {
+        "rows": int(rows[0].item()),
+        "top1": [round(float(rank_accuracy[i, 0]), 4) for i in range(k)],
+        "top5": [round(float(rank_accuracy[i, :5].sum()), 4) for i in range(k)],
+        "rank_accuracy": [[round(float(v), 4) for v in rank_accuracy[i]] for i in range(k)],
+        "mean_accepted_len": {name: round(sum(v) / max(len(v), 1), 4) for name, v in accepted.items()},
+        "tree_nodes": {name: len(shape) for name, shape in shapes.items()},
+        "per_category": {
+            cat: {
+                "rows": int(stats[2, 0]),
+                "top1": [round(float(stats[0, i] / stats[2, i].clamp_min(1)), 4) for i in range(k)],
+                "top5": [round(float(stats[1, i] / stats[2, i].clamp_min(1)), 4) for i in range(k)],
+                "mean_accepted_len": {name: round(sum(v[cat]) / max(len(v[cat]), 1), 4) for name, v in accepted_cat.items()},
+            }
+            for cat, stats in sorted(per_cat.items())
+        },
+    }
+    if fit_temperatures:
+        summary["temperatures"] = [TEMPERATURE_GRID[int(nll[i].argmin())] for i in range(k)]
+    return summary

@@ -1,0 +1,91 @@
+"""From the last Ray Train checkpoint to a heads directory (and its INT2 copy): fit one
+temperature per head on held-out data, record measured rank accuracies (static trees use
+them), evaluate, and draw the loss curves."""
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+import torch
+
+from vllm_mtpspec.checkpoint import load_heads, model_fingerprint, save_heads
+from vllm_mtpspec.weights import embedding_and_lm_head
+
+logger = logging.getLogger("mtpspec.train")
+
+
+def plot_losses(metrics_path: Path, out_png: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [r for r in map(json.loads, filter(str.strip, metrics_path.read_text().splitlines())) if "loss" in r]
+    if not rows:
+        return
+    steps = [r["step"] for r in rows]
+    fig, ax = plt.subplots(figsize=(7, 4))
+    heads = sorted(int(k.split("_")[1]) for k in rows[0] if k.startswith("ce_"))
+    for i in heads:
+        ax.plot(steps, [r[f"ce_{i}"] for r in rows], label=f"head {i + 1} cross-entropy")
+    ax.plot(steps, [r["loss"] for r in rows], "k--", label="total loss")
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss (candidate-set softmax)")
+    ax.set_title("MTP head training loss")
+    ax.legend(fontsize=8)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(out_png, dpi=120)
+    plt.close(fig)
+
+
+def _export_student(state: dict, student_dir: Path, out: Path) -> Path:
+    """The trained student as a Hugging Face folder (its heads are fingerprinted to it)."""
+    import shutil
+
+    from transformers import AutoModelForCausalLM
+
+    student = AutoModelForCausalLM.from_pretrained(str(student_dir), dtype=torch.float32)
+    student.load_state_dict({k.removeprefix("student."): v for k, v in state["model"].items() if k.startswith("student.")})
+    student.save_pretrained(str(out))
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json"):
+        if (student_dir / name).is_file():
+            shutil.copy(student_dir / name, out / name)
+    return out
+
+
+def export_heads(config, checkpoint, *, init_dir: Path, model_dir: Path, held_out: list[Path], metrics_path: Path) -> dict:
+    from training.evaluate import evaluate_heads
+
+    heads = load_heads(init_dir)
+    with checkpoint.as_directory() as folder:
+        state = torch.load(Path(folder) / "state.pt", weights_only=False)
+    heads_state = {k.removeprefix("heads."): v for k, v in state["model"].items() if k.startswith("heads.")}
+    heads.load_state_dict(heads_state)
+    out = Path(config.out)
+    summary: dict = {"config": config.to_dict()}
+    if config.mode == "cotrain":
+        model_dir = _export_student(state, model_dir, out / "student")
+        heads.config.base_model_fingerprint = model_fingerprint(model_dir)
+        summary["student_dir"] = str(model_dir)
+    embed, lm_head = embedding_and_lm_head(model_dir)
+    if held_out:
+        fp = evaluate_heads(heads, held_out, lm_head=lm_head, embed=embed, fit_temperatures=True)
+        heads.config.temperatures = fp.pop("temperatures")
+        heads.temperatures = torch.tensor(heads.config.temperatures)
+        heads.config.rank_accuracy = fp["rank_accuracy"]
+        summary["held_out"] = {"fp32": fp}
+    save_heads(heads, out)
+    summary["heads_dir"] = str(out)
+    if config.int2_group_size:
+        int2_dir = out.with_name(out.name + "-int2")
+        save_heads(heads.quantized(group_size=config.int2_group_size), int2_dir)
+        summary["int2_dir"] = str(int2_dir)
+        if held_out:
+            summary["held_out"]["int2"] = evaluate_heads(load_heads(int2_dir), held_out, lm_head=lm_head, embed=embed)
+    if metrics_path.is_file():
+        plot_losses(metrics_path, out / "loss_curves.png")
+        summary["loss_curves"] = str(out / "loss_curves.png")
+    logger.info("heads written to %s", out)
+    return summary

@@ -1,0 +1,113 @@
+"""What a training step computes, for each mode. Each module turns a batch from Ray Data
+into (loss, metrics); the Ray Train loop around them is shared."""
+from __future__ import annotations
+
+from functools import lru_cache
+
+import torch
+from torch import nn
+
+from training.losses import kd_loss, mtp_losses
+
+
+def _head_metrics(losses) -> dict:
+    return {**{f"ce_{i}": v for i, v in enumerate(losses.ce)}, **{f"kl_{i}": v for i, v in enumerate(losses.kl)}}
+
+
+class PosthocModule(nn.Module):
+    """Heads on the frozen target's recorded hidden states; batches are answer rows."""
+
+    def __init__(self, heads, *, lm_head: torch.Tensor, embed: torch.Tensor, num_negatives: int, kl_weight: float) -> None:
+        super().__init__()
+        self.heads = heads
+        self.register_buffer("lm_head", lm_head, persistent=False)
+        self.register_buffer("embed", embed, persistent=False)
+        self.num_negatives, self.kl_weight = num_negatives, kl_weight
+
+    def trainable_parameters(self):
+        return [p for p in self.heads.parameters() if p.requires_grad]
+
+    def projection(self) -> torch.Tensor:
+        if self.heads.proj is None:
+            return self.lm_head
+        return torch.stack([p.weight for p in self.heads.proj])
+
+    def forward(self, batch: dict, generator=None):
+        device = self.lm_head.device
+        batch = {key: torch.as_tensor(value) for key, value in batch.items()}
+        token = batch["token"].to(device).long()
+        embeds = self.embed[token] if self.heads.config.token_conditioned else None
+        head_hidden = self.heads.hidden(batch["hidden"].to(device).float(), embeds)
+        losses = mtp_losses(head_hidden, self.projection(), batch["targets"].to(device), batch["teacher_ids"].to(device),
+                            batch["teacher_logprobs"].to(device), num_negatives=self.num_negatives,
+                            kl_weight=self.kl_weight, generator=generator)
+        return losses.total, {"loss": losses.total.item(), **_head_metrics(losses)}
+
+
+@lru_cache(maxsize=8)
+def _load_shard(path: str) -> dict:
+    return torch.load(path, weights_only=True)
+
+
+class CotrainModule(nn.Module):
+    """A student and its heads on the teacher's answers: L = L_KD + lambda * sum_i L_MTP(i).
+    Batches name answers (shard path, answer index); the student reads prompt + answer."""
+
+    def __init__(self, student, heads, *, num_negatives: int, kl_weight: float, mtp_weight: float) -> None:
+        super().__init__()
+        self.student, self.heads = student, heads
+        self.num_negatives, self.kl_weight, self.mtp_weight = num_negatives, kl_weight, mtp_weight
+
+    def trainable_parameters(self):
+        return [p for p in self.parameters() if p.requires_grad]
+
+    def forward(self, batch: dict, generator=None):
+        from training.examples import shard_examples
+
+        device = next(self.student.parameters()).device
+        k = self.heads.num_heads
+        seqs, rows, row_answer = [], [], []
+        targets, t_ids, t_lp, kd_ids, kd_lp, tokens = [], [], [], [], [], []
+        for path, j in zip(batch["path"], batch["answer"]):
+            shard = _load_shard(str(path))
+            j = int(j)
+            start, end = int(shard["offsets"][j]), int(shard["offsets"][j + 1])
+            prompt = list(shard["prompt_ids"][j])
+            answer = shard["tokens"][start:end].long()
+            seqs.append(torch.tensor(prompt + answer.tolist()))
+            # Answer row r is predicted from sequence position len(prompt) + r - 1.
+            rows.append(torch.arange(end - start) + len(prompt) - 1)
+            one = {"offsets": torch.tensor([0, end - start]), "tokens": shard["tokens"][start:end],
+                   "topk_ids": shard["topk_ids"][start:end], "topk_logprobs": shard["topk_logprobs"][start:end],
+                   "hidden": torch.zeros(end - start, 1)}
+            ex = shard_examples(one, k)
+            keep = torch.from_numpy(ex["position"])
+            row_answer.append(torch.full((len(keep),), len(seqs) - 1))
+            rows[-1] = rows[-1][keep]
+            targets.append(torch.from_numpy(ex["targets"]))
+            t_ids.append(torch.from_numpy(ex["teacher_ids"]))
+            t_lp.append(torch.from_numpy(ex["teacher_logprobs"]))
+            tokens.append(answer[keep])
+            kd_ids.append(shard["topk_ids"][start:end][keep])
+            kd_lp.append(shard["topk_logprobs"][start:end][keep])
+        length = max(s.numel() for s in seqs)
+        input_ids = torch.zeros(len(seqs), length, dtype=torch.long)
+        mask = torch.zeros(len(seqs), length, dtype=torch.long)
+        for b, s in enumerate(seqs):
+            input_ids[b, : s.numel()], mask[b, : s.numel()] = s, 1
+        out = self.student.model(input_ids=input_ids.to(device), attention_mask=mask.to(device))
+        row_b = torch.cat(row_answer).to(device)
+        row_p = torch.cat(rows).to(device)
+        hidden = out.last_hidden_state[row_b, row_p]                           # [R, d]
+        lm_head = self.student.get_output_embeddings()
+        student_logits = lm_head(hidden)                                       # [R, V]
+        kd = kd_loss(student_logits, torch.cat(kd_ids).to(device), torch.cat(kd_lp).float().to(device),
+                     torch.ones(hidden.shape[0], dtype=torch.bool, device=device))
+        embeds = self.student.get_input_embeddings()(torch.cat(tokens).to(device)) if self.heads.config.token_conditioned else None
+        head_hidden = self.heads.hidden(hidden, embeds)
+        projection = lm_head.weight if self.heads.proj is None else torch.stack([p.weight for p in self.heads.proj])
+        losses = mtp_losses(head_hidden, projection, torch.cat(targets).to(device), torch.cat(t_ids).to(device),
+                            torch.cat(t_lp).to(device), num_negatives=self.num_negatives, kl_weight=self.kl_weight,
+                            generator=generator)
+        total = kd + self.mtp_weight * losses.total
+        return total, {"loss": total.item(), "kd": kd.item(), "mtp": losses.total.item(), **_head_metrics(losses)}

@@ -1,0 +1,316 @@
+"""The Ray Train job that trains MTP heads.
+
+    mtpspec train --config configs/smollm2.json        (or python -m training.train)
+
+Post-hoc: the target is frozen; its hidden states come with the self-distillation data,
+so a step only runs the heads. Co-trained: a student model and its heads train together
+on the teacher's data, L = L_KD(student || teacher) + lambda * sum_i L_MTP(i).
+
+The same command runs on one machine (local Ray, CPU workers) and on a cluster
+(--address, --num-workers, --use-gpu): data parallel across workers, checkpoints through
+Ray Train, and a worker that dies is restarted from the last checkpoint.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from training.config import TrainConfig, TrainConfigError
+
+logger = logging.getLogger("mtpspec.train")
+METRICS_FILE = "metrics.jsonl"
+
+
+# --------------------------------------------------------------------------- worker side
+def _restore(model, optimizer):
+    import ray.train
+
+    checkpoint = ray.train.get_checkpoint()
+    if checkpoint is None:
+        return 0, 0, False
+    with checkpoint.as_directory() as folder:
+        state = torch.load(Path(folder) / "state.pt", weights_only=False)
+    model.load_state_dict(state["model"])
+    optimizer.load_state_dict(state["optimizer"])
+    return state["step"], state["epoch"], True
+
+
+def _report(metrics: dict, *, model, optimizer, step: int, epoch: int, with_checkpoint: bool) -> None:
+    import ray.train
+
+    if not with_checkpoint:
+        ray.train.report(metrics)
+        return
+    with tempfile.TemporaryDirectory() as folder:
+        checkpoint = None
+        if ray.train.get_context().get_world_rank() == 0:
+            torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(), "step": step, "epoch": epoch},
+                       Path(folder) / "state.pt")
+            checkpoint = ray.train.Checkpoint.from_directory(folder)
+        ray.train.report(metrics, checkpoint=checkpoint)
+
+
+def _fail_once(loop_config: dict, step: int) -> None:
+    """fail_at_step: the first time this step is reached in a run, the worker dies, as a
+    crashed or preempted machine would; Ray Train restarts the group from the last
+    checkpoint. It waits a little first: Ray's controller collects reported checkpoints
+    by polling, and a worker that dies right after reporting can take its last one along."""
+    marker = Path(loop_config["metrics_path"]).with_name(f"failed-at-step-{step}")
+    if marker.exists():
+        return
+    marker.touch()
+    time.sleep(10)
+    logger.warning("failing on purpose at step %d (fail_at_step)", step)
+    os._exit(1)
+
+
+def _build_module(loop_config: dict):
+    from training.modules import CotrainModule, PosthocModule
+    from vllm_mtpspec.checkpoint import load_heads
+
+    heads = load_heads(loop_config["init_heads"])
+    if loop_config["mode"] == "cotrain":
+        from transformers import AutoModelForCausalLM
+
+        student = AutoModelForCausalLM.from_pretrained(loop_config["student"], dtype=torch.float32)
+        return CotrainModule(student.train(), heads, num_negatives=loop_config["num_negatives"],
+                             kl_weight=loop_config["kl_weight"], mtp_weight=loop_config["mtp_weight"])
+    from vllm_mtpspec.weights import embedding_and_lm_head
+
+    embed, lm_head = embedding_and_lm_head(loop_config["model_dir"])
+    return PosthocModule(heads, lm_head=lm_head, embed=embed, num_negatives=loop_config["num_negatives"],
+                         kl_weight=loop_config["kl_weight"])
+
+
+def train_loop_per_worker(loop_config: dict) -> None:
+    import ray.train
+    import ray.train.torch
+    from tqdm import tqdm
+
+    torch.manual_seed(loop_config["seed"])
+    torch.set_num_threads(max(1, loop_config.get("threads_per_worker", 1)))
+    rank = ray.train.get_context().get_world_rank()
+    module = _build_module(loop_config)
+    model = ray.train.torch.prepare_model(module)
+    raw = model.module if hasattr(model, "module") else model
+    params = raw.trainable_parameters()
+    optimizer = torch.optim.AdamW(params, lr=loop_config["lr"], weight_decay=loop_config["weight_decay"])
+    step, start_epoch, restored = _restore(raw, optimizer)
+    if restored and rank == 0:
+        logger.warning("resumed from the checkpoint of step %d", step)
+        with open(loop_config["metrics_path"], "a") as f:
+            f.write(json.dumps({"event": "resumed", "step": step}) + "\n")
+    total_steps = loop_config["total_steps"]
+    scheduler = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda s: min(1.0, (s + 1) / 50) * max(0.05, 1 - s / max(total_steps, 1)))
+    for _ in range(step):
+        scheduler.step()
+    shard = ray.train.get_dataset_shard("train")
+    bar = tqdm(total=total_steps, initial=step, desc="training heads", disable=rank != 0, mininterval=5)
+    generator = torch.Generator().manual_seed(loop_config["seed"] + 1000 * rank)
+    seen = 0
+    for epoch in range(start_epoch, loop_config["epochs"]):
+        for batch in shard.iter_batches(batch_size=loop_config["batch_size"], batch_format="numpy", drop_last=True,
+                                        local_shuffle_buffer_size=20000, local_shuffle_seed=loop_config["seed"] + epoch):
+            seen += 1  # batches over all epochs: every epoch gives each worker the same count
+            if seen <= step:  # resuming: skip what the checkpoint already trained on
+                continue
+            if loop_config.get("fail_at_step") == step + 1:
+                _fail_once(loop_config, step + 1)
+            loss, step_metrics = model(batch, generator)
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(params, 1.0)
+            optimizer.step()
+            scheduler.step()
+            step += 1
+            bar.update(1)
+            bar.set_postfix(loss=f"{step_metrics['loss']:.3f}")
+            metrics = {"step": step, "epoch": epoch, **step_metrics}
+            if rank == 0 and (step % loop_config["log_every"] == 0 or step == 1):
+                with open(loop_config["metrics_path"], "a") as f:
+                    f.write(json.dumps(metrics) + "\n")
+            done = step >= total_steps
+            if step % loop_config["checkpoint_every"] == 0 or done:
+                _report(metrics, model=raw, optimizer=optimizer, step=step, epoch=epoch, with_checkpoint=True)
+            if done:
+                bar.close()
+                return
+    bar.close()
+    _report({"step": step, "epoch": loop_config["epochs"]}, model=raw, optimizer=optimizer, step=step,
+            epoch=loop_config["epochs"], with_checkpoint=True)
+
+
+# --------------------------------------------------------------------------- driver side
+def _expand_shard(batch: dict, num_heads: int) -> dict:
+    from training.examples import shard_examples
+
+    parts = [shard_examples(torch.load(p, weights_only=True), num_heads) for p in batch["path"]]
+    import numpy as np
+
+    return {key: np.concatenate([p[key] for p in parts]) for key in parts[0]}
+
+
+def ensure_data(config: TrainConfig, model_dir: Path) -> tuple[list[Path], list[Path]]:
+    """Shards for training and held-out evaluation; generated from config.prompts if absent."""
+    from training.data import generate_self_distillation, list_shards
+
+    train_shards = list_shards(config.train_data)
+    held_shards = list_shards(config.held_out_data) if config.held_out_data else []
+    if not train_shards and config.prompts:
+        from training.prompts import is_held_out, load_training_prompts, sharegpt_prompts
+
+        prompts = sharegpt_prompts() if config.prompts == "sharegpt" else load_training_prompts(config.prompts)
+        prompts = prompts[: config.max_prompts]
+        train_prompts = [p for p in prompts if not is_held_out(p.id)]
+        held_prompts = [p for p in prompts if is_held_out(p.id)]
+        logger.info("generating self-distillation data for %d prompts", len(prompts))
+        generate_self_distillation(model_dir, train_prompts, config.train_data, max_new_tokens=config.max_new_tokens)
+        if held_prompts and config.held_out_data:
+            generate_self_distillation(model_dir, held_prompts, config.held_out_data, max_new_tokens=config.max_new_tokens)
+        train_shards = list_shards(config.train_data)
+        held_shards = list_shards(config.held_out_data) if config.held_out_data else []
+    if not train_shards:
+        raise TrainConfigError(
+            f"train_data={config.train_data!r} holds no shard-*.pt files and no 'prompts' were given to make "
+            "them: the data set is empty. Set 'prompts' (a JSONL file or 'sharegpt') or run python -m training.data"
+        )
+    return train_shards, held_shards
+
+
+def connect_ray(config: TrainConfig) -> None:
+    import ray
+
+    if ray.is_initialized():
+        return
+    try:
+        if config.address:
+            ray.init(address=config.address, log_to_driver=True)
+        else:
+            # Logical CPUs: one per training worker plus room for Ray Data's loading tasks,
+            # which would otherwise wait for a CPU that the workers never give back.
+            ray.init(num_cpus=config.num_workers + max(2, os.cpu_count() or 1), include_dashboard=False,
+                     log_to_driver=True)
+    except (ConnectionError, ValueError, RuntimeError) as err:
+        raise TrainConfigError(
+            f"address={config.address!r}: cannot reach a Ray cluster there ({err}); start one with `ray start --head` "
+            "and pass its address (e.g. 'auto' or 'ray://HOST:10001'), or leave address unset for a local run"
+        ) from None
+
+
+def run_training(config: TrainConfig) -> dict:
+    """Trains, exports and evaluates; returns the run summary (also written as JSON)."""
+    import ray
+    import ray.data
+    from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
+    from ray.train.torch import TorchTrainer
+
+    from vllm_mtpspec.checkpoint import save_heads
+    from vllm_mtpspec.heads_init import init_heads
+    from vllm_mtpspec.models import resolve_model
+    from vllm_mtpspec.target import load_target
+
+    started = time.time()
+    model_dir = resolve_model(config.model, dtype="fp32")
+    train_shards, held_shards = ensure_data(config, model_dir)
+    run_dir = Path(config.storage_path).absolute() / config.name
+    run_dir.mkdir(parents=True, exist_ok=True)
+    init_dir = run_dir / "init-heads"
+    # Heads belong to the model whose hidden states they read: the student when co-training.
+    heads_base = Path(config.student) if config.mode == "cotrain" else model_dir
+    if not (init_dir / "config.json").is_file():
+        base = load_target(str(heads_base), dtype="fp32")
+        save_heads(init_heads(base.model, heads_base, num_heads=config.num_heads, tied=config.tied,
+                              head_input=config.head_input, init_std=0.0, seed=config.seed), init_dir)
+        del base
+    connect_ray(config)
+    ray.data.DataContext.get_current().enable_progress_bars = False  # the training bar is the one to watch
+    offsets = [torch.load(p, weights_only=True)["offsets"] for p in train_shards]
+    num_rows = sum(int(o[-1]) for o in offsets)
+    if config.mode == "cotrain":  # items are answers; the student reads each in full
+        items = [{"path": str(p), "answer": j} for p, o in zip(train_shards, offsets) for j in range(len(o) - 1)]
+        dataset = ray.data.from_items(items)
+        num_items = len(items)
+    else:  # items are answer rows with their recorded hidden states
+        dataset = ray.data.from_items([{"path": str(p)} for p in train_shards]).map_batches(
+            _expand_shard, batch_size=1, fn_kwargs={"num_heads": config.num_heads})
+        num_items = num_rows
+    steps_per_epoch = max(1, num_items // (config.batch_size * config.num_workers))
+    total_steps = min(config.max_steps or 10**12, steps_per_epoch * config.epochs)
+    metrics_path = run_dir / METRICS_FILE
+    logger.info("%d training rows in %d shards; %d steps on %d worker(s)", num_rows, len(train_shards), total_steps, config.num_workers)
+    loop_config = {
+        **config.to_dict(),
+        "model_dir": str(model_dir),
+        "init_heads": str(init_dir),
+        "total_steps": total_steps,
+        "metrics_path": str(metrics_path),
+        "log_every": 10,
+        "threads_per_worker": max(1, (os.cpu_count() or 1) // config.num_workers),
+    }
+    trainer = TorchTrainer(
+        train_loop_per_worker,
+        train_loop_config=loop_config,
+        scaling_config=ScalingConfig(num_workers=config.num_workers, use_gpu=config.use_gpu),
+        run_config=RunConfig(
+            name=config.name,
+            storage_path=str(Path(config.storage_path).absolute()),
+            failure_config=FailureConfig(max_failures=config.max_failures),
+            checkpoint_config=CheckpointConfig(num_to_keep=2),
+        ),
+        datasets={"train": dataset},
+    )
+    result = trainer.fit()
+    if result.checkpoint is None:
+        raise RuntimeError(f"training ended without a checkpoint: {result.error}")
+    from training.export import export_heads
+
+    summary = export_heads(config, result.checkpoint, init_dir=init_dir, model_dir=heads_base, held_out=held_shards,
+                           metrics_path=metrics_path)
+    summary["train_rows"] = num_rows
+    summary["steps"] = total_steps
+    summary["seconds"] = round(time.time() - started, 1)
+    (Path(config.out) / "train_summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    return summary
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="mtpspec train",
+        description="Train MTP heads with Ray Train (post-hoc on a frozen model, or co-trained with a student). "
+                    "Flags override the config file.",
+    )
+    parser.add_argument("--config", required=True, help="a JSON or YAML file with TrainConfig fields (see training/config.py)")
+    parser.add_argument("--num-workers", type=int, help="Ray Train workers (data parallel)")
+    parser.add_argument("--use-gpu", action="store_true", default=None, help="one GPU per worker")
+    parser.add_argument("--address", help="Ray cluster address ('auto', 'ray://HOST:10001'); default: local Ray")
+    parser.add_argument("--out", help="heads directory to write")
+    parser.add_argument("--max-steps", type=int, help="stop after this many steps")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    overrides = {k: v for k, v in {"num_workers": args.num_workers, "use_gpu": args.use_gpu, "address": args.address,
+                                   "out": args.out, "max_steps": args.max_steps}.items() if v is not None}
+    try:
+        config = TrainConfig.from_file(args.config, **overrides)
+        summary = run_training(config)
+    except TrainConfigError as err:
+        print(f"mtpspec train: error: {err}", file=sys.stderr)
+        return 2
+    print(json.dumps(summary, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
