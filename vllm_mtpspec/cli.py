@@ -219,7 +219,7 @@ def cmd_serve(args, rest: list[str]) -> int:
     from vllm_mtpspec.models import MODELS, resolve_model
 
     if model in MODELS:
-        model = str(resolve_model(model, dtype=args.dtype))
+        model = str(resolve_model(model, dtype=args.model_dtype))
     heads = args.heads
     if heads == "shipped":
         shipped = shipped_heads_dir()
@@ -343,7 +343,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--heads", default="shipped", help="heads directory, 'shipped' (default), or 'none' for no speculation")
     p.add_argument("--num-speculative-tokens", type=int, default=None, help="heads to use (default: all)")
     p.add_argument("--options", default=None, help='JSON of mtpspec options, e.g. \'{"min_path_prob": 0.05}\'')
-    p.add_argument("--dtype", choices=("bf16", "fp32"), default="fp32", help="for a known model: which copy to fetch")
+    p.add_argument("--model-dtype", choices=("bf16", "fp32"), default="fp32", help="for a known model name: which copy to fetch")
     p.set_defaults(func=cmd_serve, passthrough=True)
 
     p = sub.add_parser("train", help="train heads with Ray (see `mtpspec train --help`)", add_help=False,

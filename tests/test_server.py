@@ -1,0 +1,99 @@
+"""`mtpspec serve`: vLLM's OpenAI server with the shipped heads, on 127.0.0.1."""
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import requests
+
+pytestmark = pytest.mark.slow
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def spec_counters(base: str) -> dict[str, float]:
+    counters = {}
+    for line in requests.get(f"{base}/metrics", timeout=10).text.splitlines():
+        if line.startswith("vllm:spec_decode_num") and not line.startswith("#"):
+            name, value = line.rsplit(" ", 1)
+            counters[name.split("{")[0]] = counters.get(name.split("{")[0], 0.0) + float(value)
+    return counters
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    from vllm_mtpspec.models import fetch_model
+
+    model = str(fetch_model("smollm2-135m-instruct", dtype="fp32"))
+    port = free_port()
+    log = open(tmp_path_factory.mktemp("server") / "server.log", "w")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "vllm_mtpspec.cli", "serve", model, "--num-speculative-tokens", "3",
+         "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32", "--max-model-len", "1024",
+         "--kv-cache-memory-bytes", "128M", "--max-num-seqs", "16", "--enforce-eager"],
+        stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+        env={**os.environ, "VLLM_LOG_STATS_INTERVAL": "1"},
+    )
+    base = f"http://127.0.0.1:{port}"
+    deadline = time.time() + 300
+    while time.time() < deadline:
+        if proc.poll() is not None:
+            log.flush()
+            pytest.fail(f"server exited with {proc.returncode}: {open(log.name).read()[-3000:]}")
+        try:
+            if requests.get(f"{base}/health", timeout=2).status_code == 200:
+                break
+        except requests.ConnectionError:
+            pass
+        time.sleep(1)
+    else:
+        os.killpg(proc.pid, signal.SIGKILL)
+        pytest.fail("server did not become healthy in 300 s")
+    yield base, model
+    os.killpg(proc.pid, signal.SIGTERM)
+    try:
+        proc.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+    log.close()
+
+
+def test_chat_stream_concurrency_and_metrics(server):
+    base, model = server
+    before = spec_counters(base)
+    chat = requests.post(f"{base}/v1/chat/completions", timeout=120, json={
+        "model": model, "messages": [{"role": "user", "content": "Name three colours."}],
+        "max_tokens": 24, "temperature": 0})
+    assert chat.status_code == 200, chat.text
+    assert chat.json()["choices"][0]["message"]["content"].strip()
+
+    streamed = requests.post(f"{base}/v1/completions", timeout=120, stream=True, json={
+        "model": model, "prompt": "The capital of France is", "max_tokens": 16, "temperature": 0, "stream": True})
+    chunks = [line for line in streamed.iter_lines() if line.startswith(b"data: ")]
+    assert chunks[-1] == b"data: [DONE]" and len(chunks) > 2
+    text = "".join(json.loads(c[6:])["choices"][0]["text"] for c in chunks[:-1])
+    assert text.strip()
+
+    def one(i):
+        r = requests.post(f"{base}/v1/completions", timeout=300, json={
+            "model": model, "prompt": f"Question {i}: what is {i} plus {i}? Answer:", "max_tokens": 16, "temperature": 0})
+        return r.status_code, r.json()["usage"]["completion_tokens"] if r.status_code == 200 else r.text
+
+    with ThreadPoolExecutor(16) as pool:
+        results = list(pool.map(one, range(16)))
+    assert all(code == 200 for code, _ in results), results
+    assert all(tokens >= 1 for _, tokens in results)
+
+    time.sleep(2)  # metrics are logged every second
+    after = spec_counters(base)
+    assert after["vllm:spec_decode_num_drafts_total"] > before.get("vllm:spec_decode_num_drafts_total", 0)
+    assert after["vllm:spec_decode_num_accepted_tokens_total"] > before.get("vllm:spec_decode_num_accepted_tokens_total", 0)
