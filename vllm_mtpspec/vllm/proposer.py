@@ -62,7 +62,7 @@ class MTPSpecProposer:
         depth = self.num_speculative_tokens
         start = self.options.batch_backoff_start
         if num_requests > start:
-            depth -= int(math.log2(num_requests / start)) + 1
+            depth -= math.ceil(math.log2(num_requests / start))
         return max(depth, 0)
 
     @torch.inference_mode()
