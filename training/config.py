@@ -7,6 +7,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from vllm_mtpspec.config import reject_unknown_keys
+
 MODES = ("posthoc", "cotrain")
 
 
@@ -79,10 +81,7 @@ class TrainConfig:
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any], *, source: str = "config") -> "TrainConfig":
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(raw) - known)
-        if unknown:
-            raise TrainConfigError(f"{source}: unknown field(s) {unknown}; known fields: {sorted(known)}")
+        reject_unknown_keys(cls, raw, source=source, error=TrainConfigError)
         return cls(**raw)
 
     def to_dict(self) -> dict[str, Any]:

@@ -20,6 +20,15 @@ class ConfigError(ValueError):
     """A configuration that cannot work; the message names the field and the fix."""
 
 
+def reject_unknown_keys(cls, raw: dict[str, Any], *, source: str, noun: str = "field",
+                        error: type[Exception] = ConfigError) -> None:
+    """A typo in a config key fails loudly, listing the keys that would have worked."""
+    known = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(raw) - known)
+    if unknown:
+        raise error(f"{source}: unknown {noun}(s) {unknown}; known {noun}s are {sorted(known)}")
+
+
 @dataclass(kw_only=True)
 class QuantConfig:
     bits: int = 2
@@ -81,10 +90,7 @@ class HeadsConfig:
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any], *, source: str = "config.json") -> "HeadsConfig":
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(raw) - known)
-        if unknown:
-            raise ConfigError(f"{source}: unknown field(s) {unknown}; known fields are {sorted(known)}")
+        reject_unknown_keys(cls, raw, source=source)
         version = raw.get("format_version", FORMAT_VERSION)
         if version != FORMAT_VERSION:
             raise ConfigError(
@@ -124,10 +130,7 @@ class SpecOptions:
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any], *, source: str = "options") -> "SpecOptions":
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(raw) - known)
-        if unknown:
-            raise ConfigError(f"{source}: unknown option(s) {unknown}; known options are {sorted(known)}")
+        reject_unknown_keys(cls, raw, source=source, noun="option")
         return cls(**raw)
 
     def depth_for(self, heads_config: HeadsConfig, *, source: str = "options") -> int:
