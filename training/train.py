@@ -271,6 +271,10 @@ def run_training(config: TrainConfig) -> dict:
     result = trainer.fit()
     if result.checkpoint is None:
         raise RuntimeError(f"training ended without a checkpoint: {result.error}")
+    if not config.address:
+        # Export runs here in the driver; a local Ray left up keeps polling the finished
+        # trainer and fills the log while it does.
+        ray.shutdown()
     from training.export import export_heads
 
     summary = export_heads(config, result.checkpoint, init_dir=init_dir, model_dir=heads_base, held_out=held_shards,
