@@ -213,11 +213,10 @@ def cmd_demo(args) -> int:
 
 # ---------------------------------------------------------------- serving
 def cmd_serve(args, rest: list[str]) -> int:
+    from vllm_mtpspec.models import MODELS, resolve_model
     from vllm_mtpspec.vllm.serve import run_vllm_cli, serve_argv
 
     model = args.model
-    from vllm_mtpspec.models import MODELS, resolve_model
-
     if model in MODELS:
         model = str(resolve_model(model, dtype=args.model_dtype))
     heads = args.heads
