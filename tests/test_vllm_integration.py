@@ -79,11 +79,32 @@ def int2_heads_dir(heads_dir, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
+def untied_int2_heads_dir(model_dir, tmp_path_factory):
+    """Untied heads (own vocab projections, initialised from the LM head), quantized."""
+    from vllm_mtpspec.checkpoint import save_heads
+    from vllm_mtpspec.heads_init import init_heads
+    from vllm_mtpspec.target import load_target
+
+    target = load_target(str(model_dir), dtype="fp32")
+    heads = init_heads(target.model, model_dir, num_heads=2, tied=False, init_std=0.01)
+    return save_heads(heads.quantized(group_size=64), tmp_path_factory.mktemp("untied-int2"))
+
+
+@pytest.fixture(scope="module")
 def baseline(model_dir):
     llm = build(model_dir)
     outputs = greedy(llm)
     close(llm)
     return outputs
+
+
+def test_untied_int2_heads_load_and_stay_lossless(model_dir, untied_int2_heads_dir, baseline):
+    llm = build(model_dir, speculative_config={"method": "mtpspec", "model": str(untied_int2_heads_dir)})
+    outputs = greedy(llm)
+    metrics = spec_metrics(llm)
+    close(llm)
+    assert outputs == baseline
+    assert metrics["vllm:spec_decode_num_drafts"] > 0
 
 
 @pytest.mark.parametrize("which", ["fp", "int2"])
@@ -149,3 +170,20 @@ def test_unsupported_vllm_version_is_named(monkeypatch, model_dir, heads_dir):
     monkeypatch.setattr(vllm, "__version__", "0.31.2")
     with pytest.raises(Exception, match="supports vLLM 0.32 and 0.33.*this is vLLM 0.31.2"):
         build(model_dir, speculative_config={"method": "mtpspec", "model": str(heads_dir)})
+
+
+def test_preemption_keeps_greedy_output_unchanged(model_dir, heads_dir, baseline):
+    """A KV cache too small for the batch makes the scheduler preempt and recompute
+    requests; speculation must survive that (drafts of a preempted request are dropped)."""
+    small = {**ENGINE, "max_model_len": 256, "kv_cache_memory_bytes": 16 << 20, "block_size": 32}
+    from vllm import LLM
+
+    llm = LLM(str(model_dir), **small,
+              speculative_config={"method": "mtpspec", "model": str(heads_dir), "num_speculative_tokens": 3})
+    outputs = greedy(llm)
+    preemptions = sum(m.value for m in llm.get_metrics() if m.name == "vllm:num_preemptions")
+    metrics = spec_metrics(llm)
+    close(llm)
+    assert preemptions > 0, "the cache was meant to be too small for the batch"
+    assert outputs == baseline
+    assert metrics["vllm:spec_decode_num_accepted_tokens"] > 0
