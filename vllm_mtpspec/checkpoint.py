@@ -15,13 +15,13 @@ from safetensors.torch import save_file
 
 from vllm_mtpspec.config import ConfigError, HeadsConfig
 from vllm_mtpspec.heads import MTPHeads
+from vllm_mtpspec.weights import EMBED, read_tensor
 
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "heads.safetensors"
 # Rows of the input embedding that enter the fingerprint: enough to tell models apart,
 # cheap to read from safetensors without loading the whole matrix.
 FINGERPRINT_ROWS = 64
-EMBED_NAMES = ("model.embed_tokens.weight", "embed_tokens.weight", "transformer.wte.weight")
 
 
 class HeadsError(ValueError):
@@ -116,19 +116,10 @@ def model_fingerprint(model_dir: str | Path) -> str:
     if tokenizer.is_file():
         vocab = json.loads(tokenizer.read_text()).get("model", {}).get("vocab", {})
         digest.update(hashlib.sha256(json.dumps(vocab, sort_keys=True).encode()).digest())
-    rows = _embedding_rows(path)
+    rows = read_tensor(path, EMBED, rows=FINGERPRINT_ROWS)
     if rows is not None:
         digest.update(rows.to(torch.bfloat16).view(torch.int16).numpy().tobytes())
     return digest.hexdigest()[:16]
-
-
-def _embedding_rows(model_dir: Path) -> torch.Tensor | None:
-    for file in sorted(model_dir.glob("*.safetensors")):
-        with safe_open(str(file), framework="pt") as f:
-            for name in EMBED_NAMES:
-                if name in f.keys():
-                    return f.get_slice(name)[:FINGERPRINT_ROWS]
-    return None
 
 
 def check_heads_match_model(
