@@ -20,22 +20,33 @@ def test_rows_without_and_with_drafts():
 
 
 @pytest.fixture
-def proposer(tiny_model, tiny_model_dir, tmp_path):
+def make_proposer(tiny_model, tiny_model_dir, tmp_path):
     from vllm_mtpspec.vllm.proposer import MTPSpecProposer
 
     heads = init_heads(tiny_model, tiny_model_dir, num_heads=3, init_std=0.5, seed=3)
     heads_dir = save_heads(heads, tmp_path / "heads")
-    config = SimpleNamespace(
-        additional_config={"mtpspec": {"heads": str(heads_dir), "min_path_prob": 0.0, "batch_backoff_start": 4}},
-        model_config=SimpleNamespace(model=str(tiny_model_dir), hf_text_config=tiny_model.config, dtype=torch.float32),
-        speculative_config=SimpleNamespace(num_speculative_tokens=3),
-        device_config=SimpleNamespace(device="cpu"),
-    )
-    p = MTPSpecProposer(config)
-    target = SimpleNamespace(compute_logits=tiny_model.get_output_embeddings(),
-                             embed_input_ids=tiny_model.get_input_embeddings())
-    p.load_model(target)
-    return p, heads, tiny_model
+
+    def make(max_drafts=3, **options):
+        options = {"heads": str(heads_dir), "min_path_prob": 0.0, "batch_backoff_start": 4, **options}
+        config = SimpleNamespace(
+            additional_config={"mtpspec": options},
+            model_config=SimpleNamespace(model=str(tiny_model_dir), hf_text_config=tiny_model.config,
+                                         dtype=torch.float32),
+            speculative_config=SimpleNamespace(num_speculative_tokens=max_drafts),
+            device_config=SimpleNamespace(device="cpu"),
+        )
+        p = MTPSpecProposer(config)
+        target = SimpleNamespace(compute_logits=tiny_model.get_output_embeddings(),
+                                 embed_input_ids=tiny_model.get_input_embeddings())
+        p.load_model(target)
+        return p, heads, tiny_model
+
+    return make
+
+
+@pytest.fixture
+def proposer(make_proposer):
+    return make_proposer()
 
 
 def expected_chain(heads, model, h):
@@ -64,3 +75,43 @@ def test_adaptive_depth_per_request_and_per_batch(proposer):
     p.capture_step(hidden, None)
     assert p.propose([[1]]) == [[]]
     assert [p.depth_for_batch(n) for n in (1, 4, 5, 8, 9, 16, 32)] == [3, 3, 2, 2, 1, 1, 0]
+
+
+def test_trees_are_sent_breadth_first_and_remembered_while_blocked_requests_get_chains(make_proposer):
+    from vllm_mtpspec.tree import consensus_tree
+
+    p, heads, model = make_proposer(max_drafts=8, tree="consensus", num_speculative_tokens=3, max_tree_nodes=8)
+    assert p.depth == 3 and p.static_shape == consensus_tree(3, max_nodes=8)
+    hidden = torch.randn(3, model.config.hidden_size)
+    p.capture_step(hidden, None, ["a", "b", "c"], tree_blockers=[None, "penalties", None])
+    drafts = p.propose([[11], [12], [13]])
+    logits = heads(hidden, token_embeds=model.get_input_embeddings()(torch.tensor([11, 12, 13])),
+                   lm_head=model.get_output_embeddings())
+    for i in (0, 2):
+        topk = logits[i].topk(5, dim=-1).indices
+        assert drafts[i] == p.static_shape.node_tokens(topk).tolist()
+        assert p.proposed_trees[["a", "b", "c"][i]].tokens == tuple(drafts[i])
+    assert drafts[1] == logits[1].argmax(-1).tolist() and "b" not in p.proposed_trees
+
+
+def test_a_tree_requests_next_draft_reads_its_last_accepted_nodes_row(make_proposer):
+    p, heads, model = make_proposer(max_drafts=8, tree="dynamic", max_tree_nodes=8)
+    hidden = torch.randn(1 + 8, model.config.hidden_size)
+    # The request carried 8 tree nodes; nodes 1 and 4 were accepted: its bonus token came
+    # from node 4's row, row 5 of the request (row 0 is the root).
+    p.capture_step(hidden, SimpleNamespace(num_draft_tokens=[8]), ["a"], tree_rows={0: 5})
+    drafts = p.propose([[21, 22, 23]])
+    p.capture_step(hidden[5:6], None, ["a"])
+    assert drafts == p.propose([[23]])
+
+
+def test_low_confidence_tree_nodes_are_cut_and_what_stays_is_a_tree(make_proposer):
+    p, heads, model = make_proposer(max_drafts=16, tree="consensus", min_path_prob=0.05)
+    p.capture_step(torch.randn(4, model.config.hidden_size), None, list("abcd"))
+    drafts = p.propose([[1], [2], [3], [4]])
+    sizes = [len(d) for d in drafts]
+    assert max(sizes) <= len(p.static_shape) and min(sizes) < len(p.static_shape)
+    for req in "abcd":
+        tree = p.proposed_trees.get(req)
+        if tree is not None:  # a valid breadth-first tree (TreeShape checks it)
+            assert len(tree.shape) == len(tree.tokens)

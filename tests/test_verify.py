@@ -1,30 +1,11 @@
 """Verification rules: greedy equals argmax decoding, and sampling keeps the target's
 distribution (chi-square tests with fixed seeds; one test shows they catch a wrong rule)."""
-import numpy as np
 import pytest
 import torch
-from scipy.stats import chisquare
 
+from tests.stats import TRIALS, VOCAB, assert_follows, random_dists
 from vllm_mtpspec.tree import chain_tree, tree_from_paths
 from vllm_mtpspec.verify import verify_greedy, verify_sampled
-
-VOCAB = 6
-TRIALS = 12000
-ALPHA = 1e-3
-
-
-def random_dists(rows, seed):
-    gen = torch.Generator().manual_seed(seed)
-    return torch.softmax(torch.randn(rows, VOCAB, generator=gen) * 1.5, -1)
-
-
-def assert_follows(samples, probs):
-    counts = np.bincount(np.asarray(samples), minlength=VOCAB)
-    expected = probs.double().numpy() * len(samples)
-    keep = expected > 0
-    assert counts[~keep].sum() == 0, "emitted a token the target gives probability 0"
-    stat = chisquare(counts[keep], expected[keep] * counts[keep].sum() / expected[keep].sum())
-    assert stat.pvalue > ALPHA, f"counts {counts} vs expected {np.round(expected)}: p={stat.pvalue:.2e}"
 
 
 def test_greedy_accepts_the_longest_matching_path_and_adds_the_bonus():

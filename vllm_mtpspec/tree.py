@@ -236,3 +236,23 @@ def build_static_shape(preset: str, depth: int, *, max_nodes: int, rank_accuracy
     if preset == "static":
         return static_tree(depth, max_nodes=max_nodes, rank_accuracy=rank_accuracy)
     raise ConfigError(f"tree={preset!r} has no fixed shape (dynamic trees are built per step)")
+
+
+def path_probs(shape: TreeShape, top_p: torch.Tensor) -> torch.Tensor:
+    """top_p [B, k, R]: each head's probabilities of its top-R candidates -> [B, n], the
+    heads' estimate that each node's whole path is right."""
+    if not len(shape):
+        return top_p.new_empty(top_p.shape[0], 0)
+    depth_idx = torch.tensor([d - 1 for d in shape.depths], device=top_p.device)
+    rank_idx = torch.tensor(shape.ranks, device=top_p.device)
+    probs = top_p[:, depth_idx, rank_idx].clone()
+    for node, parent in enumerate(shape.parents):  # parents come first (breadth-first)
+        if parent >= 0:
+            probs[:, node] *= probs[:, parent]
+    return probs
+
+
+def prune(shape: TreeShape, keep: Sequence[bool]) -> TreeShape:
+    """The nodes marked keep; callers keep a node's ancestors whenever they keep the node
+    (true of any threshold on path probabilities, which never grow with depth)."""
+    return TreeShape(tuple(p for p, k in zip(shape.paths, keep) if k))

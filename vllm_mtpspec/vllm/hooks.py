@@ -7,12 +7,23 @@
 2. GPUModelRunner.propose_draft_token_ids (inherited by CPUModelRunner, same signature in
    0.32 and 0.33) holds the hidden states that a `custom_class` proposer never receives:
    the wrapper hands them to our proposer, then calls vLLM's own method.
+3. Tree verification, three patches that act only on requests whose drafts are a tree
+   the proposer sent (tree_step.py); every other request runs through vLLM unchanged:
+   - GPUModelRunner._prepare_inputs: after vLLM lays out the step (slots from sequential
+     positions), tree nodes move to position root + depth;
+   - CPUAttentionBackendImpl.forward: after the stock kernel, tree rows are recomputed
+     with the ancestor mask (attention.py);
+   - GPUModelRunner._sample: after vLLM's rejection sampler, tree rows are replaced by
+     the tree verdicts (tree_sampler.py) and accepted nodes' KV moves into place
+     (kv_compaction.py).
 """
 from __future__ import annotations
 
 import functools
 import inspect
 import logging
+import time
+from dataclasses import dataclass
 
 logger = logging.getLogger("vllm_mtpspec")
 
@@ -57,12 +68,26 @@ def _mtpspec_to_custom_class(spec, additional_config, target_model_config):
         hidden_size=hf_config.hidden_size,
         vocab_size=hf_config.vocab_size,
     )
-    if vllm_spec.get("num_speculative_tokens") is None:  # default: every head
-        vllm_spec["num_speculative_tokens"] = heads_config.num_heads
-        merged["mtpspec"]["num_speculative_tokens"] = heads_config.num_heads
-    logger.info("mtpspec: %d heads from %s, %d speculative tokens, %s drafts",
-                heads_config.num_heads, options.heads, vllm_spec["num_speculative_tokens"], options.tree)
+    # num_speculative_tokens is the number of heads used (default: all). vLLM's own
+    # num_speculative_tokens is the most draft tokens a request sends per step: the
+    # chain's length, or the tree's node budget.
+    depth = vllm_spec.get("num_speculative_tokens") or heads_config.num_heads
+    merged["mtpspec"]["num_speculative_tokens"] = depth
+    vllm_spec["num_speculative_tokens"] = depth if options.tree == "chain" else options.max_tree_nodes
+    logger.info("mtpspec: %d heads from %s, depth %d, %s drafts of up to %d tokens",
+                heads_config.num_heads, options.heads, depth, options.tree, vllm_spec["num_speculative_tokens"])
     return vllm_spec, merged
+
+
+@dataclass
+class DraftTime:
+    """Time spent drafting (any vLLM proposer) in this process, read by benchmarks."""
+
+    seconds: float = 0.0
+    calls: int = 0
+
+
+draft_time = DraftTime()
 
 
 def install_hidden_state_hook() -> None:
@@ -83,19 +108,155 @@ def install_hidden_state_hook() -> None:
 
     @functools.wraps(original)
     def propose_draft_token_ids(self, *args, **kwargs):
+        started = time.perf_counter()
+        try:
+            return _capture_and_propose(self, *args, **kwargs)
+        finally:
+            draft_time.seconds += time.perf_counter() - started
+            draft_time.calls += 1
+
+    def _capture_and_propose(self, *args, **kwargs):
         drafter = getattr(self, "drafter", None)
         capture = getattr(drafter, "capture_step", None)
         if capture is not None:
             bound = signature.bind(self, *args, **kwargs)
+            req_ids = list(self.input_batch.req_ids)
+            blockers = None
+            if getattr(drafter, "uses_trees", False):
+                blockers = [_tree_blocker_for(self, r) for r in req_ids]
             capture(
                 bound.arguments["sample_hidden_states"],
                 bound.arguments["spec_decode_metadata"],
-                list(self.input_batch.req_ids),
+                req_ids,
+                tree_rows=getattr(self, "_mtpspec_tree_rows", None),
+                tree_blockers=blockers,
             )
         return original(self, *args, **kwargs)
 
     GPUModelRunner.propose_draft_token_ids = propose_draft_token_ids
     _installed.add("hidden_states")
+
+
+def _tree_blocker_for(runner, req_id: str) -> str | None:
+    from vllm_mtpspec.vllm.fallback import tree_blocker
+
+    state = runner.requests.get(req_id)
+    return tree_blocker(getattr(state, "sampling_params", None))
+
+
+@dataclass
+class TreeStats:
+    """What the tree path did in this process (read by tests and benchmarks)."""
+
+    steps: int = 0              # steps with at least one tree request
+    requests: int = 0           # request-steps verified as trees
+    accepted: int = 0           # draft tokens accepted on the tree path
+    off_chain_accepted: int = 0  # of them, nodes that a top-1 chain would not have held
+
+
+tree_stats = TreeStats()
+
+# The tree step being executed, read by every attention layer of the forward pass, and
+# the KV cache layout those layers use (read again to move accepted nodes' KV).
+_active_tree_step = None
+_tree_cache_layout = None
+
+
+def install_tree_hooks() -> None:
+    if "trees" in _installed:
+        return
+    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackendImpl
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    from vllm_mtpspec.vllm.attention import overwrite_tree_rows, probe_block_layout
+    from vllm_mtpspec.vllm.kv_compaction import compaction_moves, move_kv
+    from vllm_mtpspec.vllm.tree_sampler import verify_tree_requests
+    from vllm_mtpspec.vllm.tree_step import NO_TREES, schedule_trees
+
+    original_prepare = GPUModelRunner._prepare_inputs
+    original_sample = GPUModelRunner._sample
+    original_attention = CPUAttentionBackendImpl.forward
+
+    @functools.wraps(original_prepare)
+    def _prepare_inputs(self, scheduler_output, *args, **kwargs):
+        global _active_tree_step
+        result = original_prepare(self, scheduler_output, *args, **kwargs)
+        step = NO_TREES
+        proposed = getattr(getattr(self, "drafter", None), "proposed_trees", None)
+        if proposed and scheduler_output.scheduled_spec_decode_tokens:
+            step = schedule_trees(proposed, scheduler_output.scheduled_spec_decode_tokens,
+                                  self.input_batch.req_id_to_index)
+            starts = self.query_start_loc.np
+            for tree in step.trees:
+                end = int(starts[tree.batch_index + 1])
+                self.positions[end - tree.num_query_tokens: end] += tree.position_offsets.to(self.positions.device)
+        self._mtpspec_tree_step = step
+        self._mtpspec_tree_rows = None
+        _active_tree_step = step if step else None
+        return result
+
+    @functools.wraps(original_attention)
+    def forward(self, layer, query, key, value, kv_cache, attn_metadata, output, *args, **kwargs):
+        result = original_attention(self, layer, query, key, value, kv_cache, attn_metadata, output, *args, **kwargs)
+        step = _active_tree_step
+        if step is not None and attn_metadata is not None and self.attn_type == "decoder":
+            global _tree_cache_layout
+            _check_tree_attention_supported(self)
+            _tree_cache_layout = probe_block_layout(layer.isa, kv_cache.shape[2], self.head_size, kv_cache.dtype)
+            overwrite_tree_rows(step, query, kv_cache, _tree_cache_layout, attn_metadata.query_start_loc,
+                                attn_metadata.seq_lens, attn_metadata.block_table, output, self.scale)
+        return result
+
+    @functools.wraps(original_sample)
+    def _sample(self, logits, spec_decode_metadata, *args, **kwargs):
+        global _active_tree_step
+        _active_tree_step = None  # the forward pass is over
+        step = getattr(self, "_mtpspec_tree_step", NO_TREES)
+        self._mtpspec_tree_step = NO_TREES
+        if not step or spec_decode_metadata is None:
+            return original_sample(self, logits, spec_decode_metadata, *args, **kwargs)
+        target_logits = logits.clone()  # vLLM's sampler may work on logits in place
+        output = original_sample(self, logits, spec_decode_metadata, *args, **kwargs)
+        verdicts = verify_tree_requests(step, target_logits, list(spec_decode_metadata.num_draft_tokens),
+                                        self.input_batch.sampling_metadata, output.sampled_token_ids)
+        sources, destinations = compaction_moves(step, verdicts, self.query_start_loc.np.tolist())
+        move_kv(self.kv_caches, _tree_cache_layout, self.input_batch.block_table[0].slot_mapping.gpu,
+                sources, destinations)
+        self._mtpspec_tree_rows = {i: (v.accepted_nodes[-1] + 1 if v.accepted_nodes else 0)
+                                   for i, v in verdicts.items()}
+        _count(step, verdicts)
+        return output
+
+    GPUModelRunner._prepare_inputs = _prepare_inputs
+    GPUModelRunner._sample = _sample
+    CPUAttentionBackendImpl.forward = forward
+    _installed.add("trees")
+
+
+def _count(step, verdicts) -> None:
+    tree_stats.steps += 1
+    tree_stats.requests += len(verdicts)
+    for tree in step.trees:
+        accepted = verdicts[tree.batch_index].accepted_nodes
+        tree_stats.accepted += len(accepted)
+        tree_stats.off_chain_accepted += sum(1 for node in accepted if any(tree.shape.paths[node]))
+
+
+def _check_tree_attention_supported(impl) -> None:
+    unsupported = [
+        name for name, present in (
+            ("a sliding window", impl.sliding_window not in (-1, None)),
+            ("a logits soft cap", bool(impl.logits_soft_cap)),
+            ("attention sinks", impl.sinks is not None),
+            ("ALiBi", impl.alibi_slopes is not None),
+            ("an fp8 KV cache", impl.is_fp8_kv_cache),
+        ) if present
+    ]
+    if unsupported:
+        raise NotImplementedError(
+            f"mtpspec tree attention does not support models or caches with {', '.join(unsupported)}; "
+            "use tree='chain' in the speculative config"
+        )
 
 
 def install_all() -> None:
@@ -109,3 +270,4 @@ def install_all() -> None:
         logger.warning("vllm-mtpspec: vLLM %s is not supported (0.32, 0.33); mtpspec is disabled", version)
         return
     install_hidden_state_hook()
+    install_tree_hooks()

@@ -2,10 +2,17 @@
 
 vLLM calls load_model(target) once and propose(...) after every step. The hidden states
 that produced each request's last sampled token arrive through capture_step, called by
-the patched runner just before propose (hooks.py). Drafts are chains: the top-1 token of
-each head, cut where the heads' own confidence falls below `min_path_prob` (adaptive
-depth per request) and shortened for large batches, where verifying extra tokens stops
-being free (adaptive depth per batch). vLLM's rejection sampler verifies them.
+the patched runner just before propose (hooks.py), together with which requests the
+tree path may serve.
+
+Drafts are the heads' candidates:
+- chain: the top-1 token of each head, cut where the heads' own path probability falls
+  below `min_path_prob`; vLLM's rejection sampler verifies it.
+- consensus / static / dynamic trees: the tree's node tokens, breadth-first, with the
+  same cut applied to every node's path probability. The shape is remembered per request
+  (`proposed_trees`) so the runner can verify the tree next step (tree_step.py). A
+  request the tree path cannot serve (fallback.py) gets the chain instead.
+Depth shrinks for large batches, where verifying extra tokens stops being free.
 """
 from __future__ import annotations
 
@@ -15,8 +22,11 @@ import math
 import torch
 
 from vllm_mtpspec.checkpoint import load_heads
+from vllm_mtpspec.tree import TreeShape, build_static_shape, dynamic_tree, path_probs, prune
+from vllm_mtpspec.vllm.fallback import log_fallback_once, platform_blocker
 from vllm_mtpspec.vllm.options import check_against_model, options_from_additional_config
 from vllm_mtpspec.vllm.rows import last_sampled_rows
+from vllm_mtpspec.vllm.tree_step import ProposedTree
 from vllm_mtpspec.vllm.version import require_supported_vllm
 
 logger = logging.getLogger("vllm_mtpspec")
@@ -27,21 +37,38 @@ class MTPSpecProposer:
         require_supported_vllm()
         self.options = options_from_additional_config(vllm_config.additional_config)
         model_config = vllm_config.model_config
-        self.num_speculative_tokens = vllm_config.speculative_config.num_speculative_tokens
+        # vLLM's budget of draft tokens per request and step: the chain length, or the
+        # largest tree (hooks.py sets it to max_tree_nodes for trees).
+        self.max_drafts = vllm_config.speculative_config.num_speculative_tokens
         hf_config = model_config.hf_text_config
+        # Heads used per step (the tree's depth): as asked, else a chain as long as vLLM's
+        # budget, else (trees) every head.
+        wanted = self.options.num_speculative_tokens or (self.max_drafts if self.options.tree == "chain" else None)
         self.heads_config = check_against_model(
             self.options,
-            num_speculative_tokens=self.num_speculative_tokens,
+            num_speculative_tokens=wanted,
             model_path=model_config.model,
             hidden_size=hf_config.hidden_size,
             vocab_size=hf_config.vocab_size,
         )
+        self.depth = wanted or self.heads_config.num_heads
         self.dtype = model_config.dtype
         self.device = torch.device(vllm_config.device_config.device)
         self.heads = None  # loaded with the target, in load_model
+        self.static_shape: TreeShape | None = None
+        self.uses_trees = self.options.tree != "chain"
+        if self.uses_trees and (reason := platform_blocker()):
+            logger.warning("mtpspec: %s", reason)
+            self.uses_trees = False
+        # What was sent as each request's drafts, when it was a tree (read by the runner).
+        self.proposed_trees: dict[str, ProposedTree] = {}
+        self._pruned_shapes: dict[tuple, TreeShape] = {}
         # Set by the runner hook each step, consumed by propose.
         self._sample_hidden_states: torch.Tensor | None = None
         self._num_draft_tokens: list[int] | None = None
+        self._req_ids: list[str] | None = None
+        self._tree_rows: dict[int, int] = {}
+        self._tree_blockers: list[str | None] | None = None
 
     def load_model(self, target_model) -> None:
         self.heads = load_heads(self.options.heads, device=self.device, dtype=self.dtype)
@@ -49,17 +76,29 @@ class MTPSpecProposer:
         # Through the target's modules, never its weights: on the CPU they are repacked.
         self._lm_head = target_model.compute_logits
         self._embed = getattr(target_model, "embed_input_ids", None) or target_model.get_input_embeddings
-        logger.info("mtpspec: loaded %s heads (%s, %s) from %s", self.heads.num_heads,
-                    "tied" if self.heads.config.tied else "untied",
-                    "int2" if self.heads.is_quantized else str(self.dtype), self.options.heads)
+        if self.uses_trees and self.options.tree in ("consensus", "static"):
+            self.static_shape = build_static_shape(
+                self.options.tree, self.depth, max_nodes=min(self.options.max_tree_nodes, self.max_drafts),
+                rank_accuracy=self.options.head_rank_accuracy or self.heads.config.rank_accuracy,
+            )
+        logger.info("mtpspec: loaded %s heads (%s, %s) from %s; drafting %s of depth %d",
+                    self.heads.num_heads, "tied" if self.heads.config.tied else "untied",
+                    "int2" if self.heads.is_quantized else str(self.dtype), self.options.heads,
+                    self.options.tree if self.uses_trees else "chains", self.depth)
 
-    def capture_step(self, sample_hidden_states: torch.Tensor, spec_decode_metadata, req_ids=None) -> None:
+    def capture_step(self, sample_hidden_states: torch.Tensor, spec_decode_metadata, req_ids=None,
+                     tree_rows: dict[int, int] | None = None, tree_blockers: list[str | None] | None = None) -> None:
+        """tree_rows: for requests verified as trees, the row (within the request) of the
+        last accepted node. tree_blockers: per request, why it must get a chain (or None)."""
         self._sample_hidden_states = sample_hidden_states
         self._num_draft_tokens = None if spec_decode_metadata is None else list(spec_decode_metadata.num_draft_tokens)
+        self._req_ids = req_ids
+        self._tree_rows = tree_rows or {}
+        self._tree_blockers = tree_blockers
 
     def depth_for_batch(self, num_requests: int) -> int:
         """One draft token fewer per doubling of the batch past batch_backoff_start."""
-        depth = self.num_speculative_tokens
+        depth = self.depth
         start = self.options.batch_backoff_start
         if num_requests > start:
             depth -= math.ceil(math.log2(num_requests / start))
@@ -70,25 +109,70 @@ class MTPSpecProposer:
         hidden_all = self._sample_hidden_states
         self._sample_hidden_states = None
         drafts: list[list[int]] = [[] for _ in sampled_token_ids]
+        req_ids = self._req_ids
+        if req_ids is not None:
+            live = set(req_ids)
+            self.proposed_trees = {r: t for r, t in self.proposed_trees.items() if r in live}
         depth = self.depth_for_batch(len(sampled_token_ids))
         if hidden_all is None or depth == 0:
             return drafts
-        pairs = last_sampled_rows(sampled_token_ids, self._num_draft_tokens, hidden_all.shape[0])
-        owners = [i for i, _ in pairs]
-        rows = [row for _, row in pairs]
-        last_tokens = [sampled_token_ids[i][-1] for i in owners]
-        if not rows:
+        pairs = last_sampled_rows(sampled_token_ids, self._num_draft_tokens, hidden_all.shape[0], self._tree_rows)
+        if not pairs:
             return drafts
-        hidden = hidden_all[torch.tensor(rows, device=hidden_all.device)]
-        token_ids = torch.tensor(last_tokens, device=hidden.device)
+        owners = [i for i, _ in pairs]
+        hidden = hidden_all[torch.tensor([row for _, row in pairs], device=hidden_all.device)]
+        token_ids = torch.tensor([sampled_token_ids[i][-1] for i in owners], device=hidden.device)
         embeds = self._embed(token_ids) if self.heads.config.token_conditioned else None
         head_hidden = self.heads.hidden(hidden, embeds)[:, :depth]          # [B, depth, d]
         logits = self.heads.project(head_hidden, self._lm_head).float()     # [B, depth, V]
         probs = torch.softmax(logits / self._temperatures[:depth, None], dim=-1)
-        top_p, top_ids = probs.max(dim=-1)                                   # [B, depth]
-        path_p = torch.cumprod(top_p, dim=-1)
-        keep = (path_p >= self.options.min_path_prob).sum(dim=-1).tolist()   # a prefix stays
-        top_ids = top_ids.tolist()
-        for j, i in enumerate(owners):
-            drafts[i] = top_ids[j][: keep[j]]
+
+        tree_owners = [j for j, i in enumerate(owners) if self._tree_allowed(i, req_ids)]
+        chain_owners = [j for j in range(len(owners)) if j not in set(tree_owners)]
+        for j, tokens in zip(chain_owners, self._chains(probs[chain_owners]) if chain_owners else []):
+            i = owners[j]
+            drafts[i] = tokens
+            if req_ids is not None:
+                self.proposed_trees.pop(req_ids[i], None)
+        for j, (shape, tokens) in zip(tree_owners, self._trees(probs[tree_owners], depth) if tree_owners else []):
+            i = owners[j]
+            drafts[i] = tokens
+            self.proposed_trees[req_ids[i]] = ProposedTree(shape, tuple(tokens))
         return drafts
+
+    def _tree_allowed(self, batch_index: int, req_ids) -> bool:
+        if not self.uses_trees or req_ids is None:
+            return False
+        blocker = None if self._tree_blockers is None else self._tree_blockers[batch_index]
+        if blocker is not None:
+            log_fallback_once(blocker)
+            return False
+        return True
+
+    def _chains(self, probs: torch.Tensor) -> list[list[int]]:
+        """probs [B, depth, V] -> each head's top-1, cut where the path probability falls."""
+        top_p, top_ids = probs.max(dim=-1)                                   # [B, depth]
+        keep = (torch.cumprod(top_p, dim=-1) >= self.options.min_path_prob).sum(dim=-1).tolist()
+        return [ids[:n] for ids, n in zip(top_ids.tolist(), keep)]
+
+    def _trees(self, probs: torch.Tensor, depth: int) -> list[tuple[TreeShape, list[int]]]:
+        options = self.options
+        budget = min(options.max_tree_nodes, self.max_drafts)
+        if self.static_shape is None:  # dynamic
+            trees = [dynamic_tree(p, max_nodes=budget, top_k=options.dynamic_top_k,
+                                  min_path_prob=options.min_path_prob) for p in probs]
+            return [(t.shape, t.tokens.tolist()) for t in trees]
+        shape = self.static_shape if depth >= self.depth else self.static_shape.limit_depth(depth)
+        top_p, top_ids = probs.topk(max(shape.max_rank, 1), dim=-1)          # [B, depth, R]
+        keep = path_probs(shape, top_p) >= options.min_path_prob            # [B, n]
+        out = []
+        for b in range(probs.shape[0]):
+            pruned = self._pruned(shape, keep[b])
+            out.append((pruned, pruned.node_tokens(top_ids[b]).tolist()))
+        return out
+
+    def _pruned(self, shape: TreeShape, keep: torch.Tensor) -> TreeShape:
+        key = (shape.paths, keep.numpy().tobytes())
+        if key not in self._pruned_shapes:
+            self._pruned_shapes[key] = prune(shape, keep.tolist())
+        return self._pruned_shapes[key]
