@@ -11,7 +11,8 @@ import torch
 from tests.stats import TRIALS, assert_follows
 from vllm_mtpspec.tree import chain_tree, tree_from_paths
 from vllm_mtpspec.verify import Verdict
-from vllm_mtpspec.vllm.attention import gather_sequence, overwrite_tree_rows, probe_block_layout, split_cpu_kv_cache
+from vllm_mtpspec.vllm.attention import (gather_sequence, overwrite_tree_rows, plan_tree_attention, probe_block_layout,
+                                         split_cpu_kv_cache)
 from vllm_mtpspec.vllm.kv_compaction import compaction_moves, move_kv
 from vllm_mtpspec.vllm.tree_sampler import verify_tree_requests
 from vllm_mtpspec.vllm.tree_step import ProposedTree, ScheduledTree, TreeStep, schedule_trees
@@ -110,8 +111,9 @@ def test_paged_tree_attention_equals_dense_attention(block_size):
     block_table = torch.stack([torch.cat([b, b.new_zeros(width - len(b))]) for b in block_rows])
     sentinel = 7.0  # rows of requests not on the tree path must be left alone
     output = torch.full((starts[-1], NUM_HEADS * HEAD_SIZE), sentinel)
-    overwrite_tree_rows(TreeStep(tuple(trees)), torch.cat(queries), cache.kv, cache.layout,
-                        torch.tensor(starts), torch.tensor(seq_lens), block_table, output, SCALE)
+    plan = plan_tree_attention(TreeStep(tuple(trees)), torch.tensor(starts), torch.tensor(seq_lens), block_table,
+                               block_size)
+    overwrite_tree_rows(plan, torch.cat(queries), cache.kv, cache.layout, output, SCALE)
     out = output.view(-1, NUM_HEADS, HEAD_SIZE)
     for i, want in enumerate(expected):
         got = out[starts[i]: starts[i + 1]]

@@ -181,34 +181,10 @@ def cmd_decode(args) -> int:
 
 # ---------------------------------------------------------------- demo
 def cmd_demo(args) -> int:
-    from vllm_mtpspec.config import SpecOptions
-    from vllm_mtpspec.prompts import load_prompts_jsonl
-    from vllm_mtpspec.target import load_heads_for, load_target
+    from vllm_mtpspec.bench.demo import run_demo
 
-    target = load_target("smollm2-135m-instruct", dtype="fp32")
-    heads_dir = args.heads or shipped_heads_dir()
-    if heads_dir is None:
-        from vllm_mtpspec.checkpoint import save_heads
-        from vllm_mtpspec.heads_init import init_heads
-        from vllm_mtpspec.models import cache_root
-
-        heads_dir = cache_root() / "heads" / "smollm2-untrained"
-        logger.warning("no trained heads are shipped yet: using untrained heads in %s (acceptance near zero)", heads_dir)
-        save_heads(init_heads(target.model, target.model_dir, num_heads=4, init_std=0.02), heads_dir)
-    heads = load_heads_for(target, heads_dir)
-    prompts = load_prompts_jsonl(Path(__file__).parent.parent / "benchmarks" / "prompts" / "demo.jsonl", limit=args.limit)
-    print(f"model: {target.model_dir}\nheads: {heads_dir}")
-    rows = decode_prompts(target, heads, prompts, options=SpecOptions(tree=args.tree), max_new_tokens=args.max_new_tokens,
-                          temperature=0.0, seed=0, check_lossless=True)
-    for row in rows:
-        print(f"\n--- [{row['category']}] {row['num_tokens']} tokens, mean accepted length {row['mean_accepted_len']:.2f}, "
-              f"identical to the model alone: {'yes' if row['identical'] else 'NO'}")
-        print(row["text"].strip())
-        print("accepted per step:", " ".join(map(str, row["accepted_lengths"])))
-    summary = summarise(rows)
-    print(f"\n{summary['identical']}/{summary['prompts']} outputs identical to the model alone; "
-          f"mean accepted length {summary['mean_accepted_len']:.2f} tokens per target forward ({args.tree} tree)")
-    return 0 if summary["identical"] == summary["prompts"] else 1
+    return run_demo(heads_dir=str(args.heads or shipped_heads_dir()), tree=args.tree, num_heads=args.num_heads,
+                    max_tree_nodes=args.max_tree_nodes, max_new_tokens=args.max_new_tokens, limit=args.limit)
 
 
 # ---------------------------------------------------------------- serving
@@ -362,9 +338,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.set_defaults(func=cmd_eval_heads)
 
-    p = sub.add_parser("demo", help="the main job: SmolLM2-135M-Instruct with the shipped heads, side by side with the model alone")
+    from vllm_mtpspec.bench.command import add_parser as add_bench_parser
+
+    add_bench_parser(sub)
+
+    p = sub.add_parser("demo", help="the main job: SmolLM2-135M-Instruct in vLLM with the shipped heads, side by side "
+                                    "with vLLM alone")
     p.add_argument("--heads", default=None, help="heads directory (default: the shipped heads)")
-    p.add_argument("--tree", choices=TREE_PRESETS, default="consensus")
+    p.add_argument("--tree", choices=[t for t in TREE_PRESETS if t != "chain"], default="consensus")
+    p.add_argument("--num-heads", type=int, default=3, help="heads used (draft depth)")
+    p.add_argument("--max-tree-nodes", type=int, default=6)
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--limit", type=int, default=5, help="how many demo prompts")
     p.set_defaults(func=cmd_demo)

@@ -6,7 +6,8 @@ request's sequence. Each of them attends to the whole cached prefix and, among t
 tokens, only to itself and its ancestors: never to siblings or cousins. vLLM's CPU
 attention kernel takes no mask, so the runner hook lets the stock kernel attend the whole
 batch causally and then recomputes the rows of tree requests here. The same function is
-the oracle for any faster kernel.
+the oracle for any faster kernel. All tree requests of a step go through one padded
+gather and one batched product per layer.
 
 Cache layout (vLLM's CPU backend): per layer [num_blocks, num_kv_heads, block_size,
 2 * head_size]; inside one block and head, where each token's key and value elements
@@ -76,52 +77,78 @@ def split_cpu_kv_cache(kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tens
 def gather_sequence(kv_cache: torch.Tensor, layout: BlockLayout, block_row: torch.Tensor,
                     seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
     """One request's keys and values, each [H_kv, seq_len, D]."""
+    keys, values = gather_blocks(kv_cache, layout, block_row[: -(-seq_len // layout.block_size)][None])
+    return keys[0, :, :seq_len], values[0, :, :seq_len]
+
+
+def gather_blocks(kv_cache: torch.Tensor, layout: BlockLayout, blocks: torch.Tensor
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """blocks [R, nb] block ids -> keys and values [R, H_kv, nb * block_size, D], in order."""
     num_blocks_total, num_kv_heads, block_size, _ = kv_cache.shape
-    num_blocks = -(-seq_len // block_size)
-    blocks = kv_cache.reshape(num_blocks_total, num_kv_heads, -1)[block_row[:num_blocks].long()]  # [nb, H, bs*2D]
+    rows, num_blocks = blocks.shape
+    flat = kv_cache.reshape(num_blocks_total, num_kv_heads, -1)[blocks.long()]       # [R, nb, H, bs*2D]
     out = []
     for index in (layout.key_index, layout.value_index):
-        part = blocks[:, :, index]                                          # [nb, H, bs, D]
-        out.append(part.permute(1, 0, 2, 3).reshape(num_kv_heads, num_blocks * block_size, -1)[:, :seq_len])
+        part = flat[..., index]                                                          # [R, nb, H, bs, D]
+        out.append(part.permute(0, 2, 1, 3, 4).reshape(rows, num_kv_heads, num_blocks * block_size, -1))
     return out[0], out[1]
 
 
-def masked_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
-                     new_token_mask: torch.Tensor, scale: float) -> torch.Tensor:
-    """query [n, H, D]; keys/values [H_kv, L, D] whose last n entries are the query tokens';
-    new_token_mask [n, n] bool (row attends to column) -> [n, H, D] in query's dtype.
-    Query head h reads KV head h // (H // H_kv), as in vLLM."""
-    n, num_heads, head_size = query.shape
-    num_kv_heads, seq_len, _ = keys.shape
-    mask = torch.ones(n, seq_len, dtype=torch.bool, device=query.device)
-    mask[:, seq_len - n:] = new_token_mask
+@dataclass(frozen=True)
+class TreeAttentionPlan:
+    """Where every tree request's query rows and keys are, shared by all layers of a step."""
+
+    query_rows: torch.Tensor  # [R, n_max] rows of the step's query (padding repeats a real row)
+    row_valid: torch.Tensor   # [R, n_max] bool
+    blocks: torch.Tensor      # [R, nb_max] block ids (padding: block 0, masked out)
+    mask: torch.Tensor        # [R, n_max, nb_max * block_size] bool: what each row attends to
+
+
+def plan_tree_attention(step: TreeStep, query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
+                        block_table: torch.Tensor, block_size: int) -> TreeAttentionPlan:
+    ends, lens = query_start_loc.tolist(), seq_lens.tolist()
+    n_max = max(t.num_query_tokens for t in step.trees)
+    nb_max = max(-(-lens[t.batch_index] // block_size) for t in step.trees)
+    count = len(step.trees)
+    query_rows = torch.zeros(count, n_max, dtype=torch.long)
+    row_valid = torch.zeros(count, n_max, dtype=torch.bool)
+    blocks = torch.zeros(count, nb_max, dtype=block_table.dtype)
+    mask = torch.zeros(count, n_max, nb_max * block_size, dtype=torch.bool)
+    for r, tree in enumerate(step.trees):
+        i, n = tree.batch_index, tree.num_query_tokens
+        seq_len, first = lens[i], ends[i + 1] - n
+        query_rows[r] = first
+        query_rows[r, :n] = torch.arange(first, first + n)
+        row_valid[r, :n] = True
+        nb = -(-seq_len // block_size)
+        blocks[r, :nb] = block_table[i, :nb]
+        mask[r, :n, : seq_len - n] = True
+        mask[r, :n, seq_len - n: seq_len] = tree.attention_mask
+        mask[r, n:, 0] = True  # padding rows attend somewhere; their output is dropped
+    return TreeAttentionPlan(query_rows, row_valid, blocks, mask)
+
+
+def masked_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor,
+                     scale: float) -> torch.Tensor:
+    """query [R, n, H, D]; keys/values [R, H_kv, L, D]; mask [R, n, L] bool (row attends
+    to key) -> [R, n, H, D] in query's dtype. Query head h reads KV head h // (H // H_kv),
+    as in vLLM."""
+    rows, n, num_heads, head_size = query.shape
+    num_kv_heads = keys.shape[1]
     group = num_heads // num_kv_heads
-    q = query.float().reshape(n, num_kv_heads, group, head_size).permute(1, 2, 0, 3)   # [H_kv, G, n, D]
-    scores = torch.matmul(q, keys.float().unsqueeze(1).transpose(-1, -2)) * scale        # [H_kv, G, n, L]
-    scores = scores.masked_fill(~mask, float("-inf"))
-    out = torch.matmul(torch.softmax(scores, dim=-1), values.float().unsqueeze(1))        # [H_kv, G, n, D]
-    return out.permute(2, 0, 1, 3).reshape(n, num_heads, head_size).to(query.dtype)
+    q = query.float().reshape(rows, n, num_kv_heads, group, head_size).permute(0, 2, 3, 1, 4)  # [R, Hkv, G, n, D]
+    scores = torch.matmul(q, keys.float().unsqueeze(2).transpose(-1, -2)) * scale              # [R, Hkv, G, n, L]
+    scores = scores.masked_fill(~mask[:, None, None], float("-inf"))
+    out = torch.matmul(torch.softmax(scores, dim=-1), values.float().unsqueeze(2))              # [R, Hkv, G, n, D]
+    return out.permute(0, 3, 1, 2, 4).reshape(rows, n, num_heads, head_size).to(query.dtype)
 
 
-def paged_tree_attention(query: torch.Tensor, kv_cache: torch.Tensor, layout: BlockLayout,
-                         block_row: torch.Tensor, seq_len: int, new_token_mask: torch.Tensor,
-                         scale: float) -> torch.Tensor:
-    """One request: query [n, H, D] for its last n tokens -> attention output [n, H, D]."""
-    keys, values = gather_sequence(kv_cache, layout, block_row, seq_len)
-    return masked_attention(query, keys, values, new_token_mask.to(query.device), scale)
-
-
-def overwrite_tree_rows(step: TreeStep, query: torch.Tensor, kv_cache: torch.Tensor, layout: BlockLayout,
-                        query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_table: torch.Tensor,
+def overwrite_tree_rows(plan: TreeAttentionPlan, query: torch.Tensor, kv_cache: torch.Tensor, layout: BlockLayout,
                         output: torch.Tensor, scale: float) -> None:
-    """Replace the causal output rows of every tree request with tree attention.
-    query [T, H, D]; output [T, H * D] or [T, H, D], written in place."""
+    """Replace the causal output rows of every tree request with tree attention, all tree
+    requests at once. query [T, H, D]; output [T, H * D] or [T, H, D], written in place."""
     num_heads, head_size = query.shape[1], query.shape[2]
+    keys, values = gather_blocks(kv_cache, layout, plan.blocks)
+    attended = masked_attention(query[plan.query_rows], keys, values, plan.mask, scale)   # [R, n_max, H, D]
     out = output.view(output.shape[0], num_heads, head_size)
-    ends = query_start_loc.tolist()
-    lens = seq_lens.tolist()
-    for tree in step.trees:
-        i = tree.batch_index
-        rows = slice(ends[i + 1] - tree.num_query_tokens, ends[i + 1])
-        out[rows] = paged_tree_attention(query[rows], kv_cache, layout, block_table[i], lens[i],
-                                         tree.attention_mask, scale)
+    out[plan.query_rows[plan.row_valid]] = attended[plan.row_valid]

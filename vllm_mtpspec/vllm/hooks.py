@@ -156,9 +156,11 @@ class TreeStats:
 
 tree_stats = TreeStats()
 
-# The tree step being executed, read by every attention layer of the forward pass, and
-# the KV cache layout those layers use (read again to move accepted nodes' KV).
+# The tree step being executed, read by every attention layer of the forward pass; where
+# its rows and keys are (built by the first layer); and the KV cache layout those layers
+# use (read again to move accepted nodes' KV).
 _active_tree_step = None
+_tree_attention_plan = None
 _tree_cache_layout = None
 
 
@@ -168,7 +170,7 @@ def install_tree_hooks() -> None:
     from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackendImpl
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
-    from vllm_mtpspec.vllm.attention import overwrite_tree_rows, probe_block_layout
+    from vllm_mtpspec.vllm.attention import overwrite_tree_rows, plan_tree_attention, probe_block_layout
     from vllm_mtpspec.vllm.kv_compaction import compaction_moves, move_kv
     from vllm_mtpspec.vllm.tree_sampler import verify_tree_requests
     from vllm_mtpspec.vllm.tree_step import NO_TREES, schedule_trees
@@ -179,7 +181,7 @@ def install_tree_hooks() -> None:
 
     @functools.wraps(original_prepare)
     def _prepare_inputs(self, scheduler_output, *args, **kwargs):
-        global _active_tree_step
+        global _active_tree_step, _tree_attention_plan
         result = original_prepare(self, scheduler_output, *args, **kwargs)
         step = NO_TREES
         proposed = getattr(getattr(self, "drafter", None), "proposed_trees", None)
@@ -193,18 +195,21 @@ def install_tree_hooks() -> None:
         self._mtpspec_tree_step = step
         self._mtpspec_tree_rows = None
         _active_tree_step = step if step else None
+        _tree_attention_plan = None
         return result
 
     @functools.wraps(original_attention)
     def forward(self, layer, query, key, value, kv_cache, attn_metadata, output, *args, **kwargs):
+        global _tree_cache_layout, _tree_attention_plan
         result = original_attention(self, layer, query, key, value, kv_cache, attn_metadata, output, *args, **kwargs)
         step = _active_tree_step
         if step is not None and attn_metadata is not None and self.attn_type == "decoder":
-            global _tree_cache_layout
             _check_tree_attention_supported(self)
             _tree_cache_layout = probe_block_layout(layer.isa, kv_cache.shape[2], self.head_size, kv_cache.dtype)
-            overwrite_tree_rows(step, query, kv_cache, _tree_cache_layout, attn_metadata.query_start_loc,
-                                attn_metadata.seq_lens, attn_metadata.block_table, output, self.scale)
+            if _tree_attention_plan is None:  # the same for every layer of this step
+                _tree_attention_plan = plan_tree_attention(step, attn_metadata.query_start_loc, attn_metadata.seq_lens,
+                                                           attn_metadata.block_table, kv_cache.shape[2])
+            overwrite_tree_rows(_tree_attention_plan, query, kv_cache, _tree_cache_layout, output, self.scale)
         return result
 
     @functools.wraps(original_sample)

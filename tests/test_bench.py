@@ -1,0 +1,109 @@
+"""`mtpspec bench` pieces that need no engine: prompts, batches, methods, the derived
+draft model, the report's arithmetic, tables and plots."""
+import json
+
+import pytest
+
+from vllm_mtpspec.bench.draft_model import truncated_copy
+from vllm_mtpspec.bench.methods import Method, build_methods
+from vllm_mtpspec.bench.prompts import load_bench_prompts
+from vllm_mtpspec.bench.report import markdown, plot, summarize
+from vllm_mtpspec.bench.runner import Tally, batches_for
+from vllm_mtpspec.prompts import Prompt, PromptsError
+
+
+def test_humaneval_and_jsonl_prompts_are_interleaved(tmp_path):
+    path = tmp_path / "mine.jsonl"
+    path.write_text("\n".join(json.dumps({"prompt": f"q{i}", "category": "writing"}) for i in range(3)) + "\n")
+    prompts = load_bench_prompts(f"humaneval,{path}", 5)
+    assert [p.category for p in prompts] == ["code", "writing", "code", "writing", "code"]
+    assert prompts[0].id == "HumanEval/0" and "def " in prompts[0].text
+    with pytest.raises(PromptsError, match="not a file"):
+        load_bench_prompts("no-such-source", 3)
+
+
+def test_batches_repeat_prompts_to_fill_every_batch():
+    prompts = [Prompt(str(i)) for i in range(5)]
+    assert [len(b) for b in batches_for(prompts, 1)] == [1] * 5
+    assert [[p.text for p in b] for b in batches_for(prompts, 4)] == [["0", "1", "2", "3"], ["4", "0", "1", "2"]]
+    assert [len(b) for b in batches_for(prompts, 16)] == [16]
+
+
+def test_unknown_methods_are_named(tmp_path):
+    with pytest.raises(ValueError, match="unknown \\['medusa'\\]"):
+        build_methods(["none", "medusa"], model_dir="m", heads_dir="h", num_heads=[2], quants=["fp"],
+                      tree="consensus", work_dir=tmp_path)
+
+
+def test_truncated_draft_model_keeps_the_first_layers(tiny_model_dir, tmp_path):
+    from safetensors.torch import load_file
+
+    out = truncated_copy(tiny_model_dir, 1, tmp_path / "draft")
+    config = json.loads((out / "config.json").read_text())
+    names = load_file(out / "model.safetensors").keys()
+    assert config["num_hidden_layers"] == 1
+    assert any(".layers.0." in n for n in names) and not any(".layers.1." in n for n in names)
+    assert any("embed_tokens" in n for n in names)
+    with pytest.raises(ValueError, match="keeps 1"):
+        truncated_copy(tiny_model_dir, 0, tmp_path / "none")
+
+
+def tally(tokens, seconds, outputs, **counters):
+    t = Tally()
+    t.add({"token_ids": outputs, "seconds": seconds, "counters": counters}, "code")
+    t.tokens = tokens
+    return t
+
+
+def test_report_arithmetic_tables_and_plots(tmp_path):
+    methods = [Method("none", "none", None), Method("mtpspec-chain k=3", "mtpspec-chain", {}),
+               Method("suffix", "suffix", {}, unavailable="needs the arctic-inference package")]
+    same, other = [[1, 2, 3]], [[1, 2, 4]]
+    tallies = {
+        ("none", 1, 0.0): tally(100, 10.0, same),
+        ("mtpspec-chain k=3", 1, 0.0): tally(100, 8.0, same, num_drafts=40, num_accepted_tokens=30,
+                                             num_accepted_tokens_per_pos=[20, 10, 0], draft_seconds=0.8),
+        ("none", 4, 0.0): tally(400, 10.0, same),
+        ("mtpspec-chain k=3", 4, 0.0): tally(400, 12.5, other, num_drafts=100, num_accepted_tokens=50,
+                                             num_accepted_tokens_per_pos=[40, 10, 0], draft_seconds=1.0),
+    }
+    rows = summarize(methods, tallies)
+    chain1 = next(r for r in rows if r["method"].startswith("mtpspec") and r["batch_size"] == 1)
+    assert chain1["speedup"] == 1.25 and chain1["mean_accepted_length"] == 1.75
+    assert chain1["acceptance_per_position"] == [0.5, 0.25]
+    assert chain1["efficiency"] == round(1.25 / 1.75, 3) and chain1["drafting_share"] == 0.1
+    assert chain1["identical_greedy_output"] is True
+    chain4 = next(r for r in rows if r["method"].startswith("mtpspec") and r["batch_size"] == 4)
+    assert chain4["speedup"] == 0.8 and chain4["identical_greedy_output"] is False
+    table = markdown(rows, methods, [], "## test")
+    assert "| mtpspec-chain k=3 | 1 | 12.5 | 1.25x | 1.75 |" in table
+    assert "| NO |" in table and "suffix (needs the arctic-inference package)" in table
+    png = tmp_path / "bench.png"
+    plot(rows, png, "test")
+    from PIL import Image
+
+    with Image.open(png) as image:
+        assert image.size[0] > 1000 and image.size[1] > 400
+
+
+@pytest.mark.slow
+def test_bench_end_to_end_writes_json_markdown_and_plot(tmp_path):
+    """Two engines (vLLM alone and mtpspec trees), HumanEval prompts, batch sizes 1 and 2."""
+    from PIL import Image
+
+    from vllm_mtpspec.cli import main
+
+    out = tmp_path / "bench"
+    code = main(["bench", "--prompts", "humaneval", "--num-prompts", "2", "--methods", "none,mtpspec-tree",
+                 "--batch-sizes", "1,2", "--temperatures", "0", "--max-new-tokens", "8", "--work-dir", str(tmp_path),
+                 "--json", f"{out}.json", "--markdown", f"{out}.md", "--plot", f"{out}.png"])
+    assert code == 0
+    result = json.loads((tmp_path / "bench.json").read_text())
+    tree_rows = [r for r in result["rows"] if r["method"].startswith("mtpspec")]
+    assert {r["batch_size"] for r in tree_rows} == {1, 2}
+    assert all(r["identical_greedy_output"] for r in tree_rows)
+    assert all(r["output_tokens"] == 2 * 8 for r in result["rows"])  # ignore_eos: every method decodes the same
+    assert all(r["mean_accepted_length"] and r["mean_accepted_length"] >= 1 for r in tree_rows)
+    assert "| mtpspec-consensus k=3 | 1 |" in (tmp_path / "bench.md").read_text()
+    with Image.open(f"{out}.png") as image:
+        assert image.size[0] > 1000

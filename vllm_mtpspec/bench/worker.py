@@ -1,0 +1,118 @@
+"""One vLLM engine per method, in its own process, kept alive for the whole benchmark so
+that methods can take turns on the same prompts (this machine is shared and noisy: runs
+side by side, alternating, compare better than runs one after another).
+
+The parent talks to a worker over a pipe: it sends prompts, the worker answers with the
+tokens, the wall time of llm.generate, and the deltas of vLLM's spec-decode counters and
+of the time spent drafting. The worker's own output (vLLM's logs) goes to a log file.
+"""
+from __future__ import annotations
+
+import multiprocessing
+import os
+import sys
+import time
+import traceback
+from dataclasses import dataclass
+
+
+@dataclass
+class Batch:
+    prompts: list[str]     # raw prompts; the worker applies the chat template
+    temperature: float
+    max_tokens: int
+    ignore_eos: bool = True  # every method decodes the same number of tokens
+
+
+def _counters(llm) -> dict:
+    from vllm_mtpspec.vllm.hooks import draft_time
+
+    found = {"draft_seconds": draft_time.seconds}
+    for metric in llm.get_metrics():
+        if metric.name.startswith("vllm:spec_decode"):
+            found[metric.name.removeprefix("vllm:spec_decode_")] = getattr(metric, "values", None) or metric.value
+    return found
+
+
+def _delta(after: dict, before: dict) -> dict:
+    out = {}
+    for key, value in after.items():
+        old = before.get(key)
+        if isinstance(value, list):
+            old = old or [0] * len(value)
+            out[key] = [a - b for a, b in zip(value, old)]
+        else:
+            out[key] = value - (old or 0)
+    return out
+
+
+def _serve(conn, model: str, engine: dict, speculative_config: dict | None, log_path: str) -> None:
+    log = open(log_path, "a", buffering=1)
+    os.dup2(log.fileno(), sys.stdout.fileno())
+    os.dup2(log.fileno(), sys.stderr.fileno())
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    try:
+        from vllm import LLM, SamplingParams
+
+        from vllm_mtpspec.prompts import apply_chat_template
+
+        llm = LLM(model, **engine, **({"speculative_config": speculative_config} if speculative_config else {}))
+        tokenizer = llm.get_tokenizer()
+        conn.send({"ready": True})
+    except Exception as err:  # reported to the parent, which names the method
+        conn.send({"error": f"{type(err).__name__}: {err}", "trace": traceback.format_exc()})
+        return
+    while True:
+        batch = conn.recv()
+        if batch is None:
+            return
+        try:
+            texts = [apply_chat_template(tokenizer, p) for p in batch.prompts]
+            params = SamplingParams(temperature=batch.temperature, max_tokens=batch.max_tokens,
+                                    ignore_eos=batch.ignore_eos)
+            before = _counters(llm)
+            started = time.perf_counter()
+            outputs = llm.generate(texts, params, use_tqdm=False)
+            seconds = time.perf_counter() - started
+            conn.send({"token_ids": [list(o.outputs[0].token_ids) for o in outputs], "seconds": seconds,
+                       "counters": _delta(_counters(llm), before)})
+        except Exception as err:
+            conn.send({"error": f"{type(err).__name__}: {err}", "trace": traceback.format_exc()})
+
+
+class EngineWorker:
+    def __init__(self, name: str, model: str, engine: dict, speculative_config: dict | None, log_path: str) -> None:
+        self.name = name
+        context = multiprocessing.get_context("spawn")
+        self._conn, child = context.Pipe()
+        self._process = context.Process(target=_serve, args=(child, model, engine, speculative_config, log_path),
+                                        daemon=True)
+        self._process.start()
+        self.log_path = log_path
+
+    def wait_ready(self) -> str | None:
+        """None when the engine is up, else the error that stopped it."""
+        reply = self._receive()
+        return None if reply.get("ready") else reply["error"]
+
+    def generate(self, batch: Batch) -> dict:
+        self._conn.send(batch)
+        reply = self._receive()
+        if "error" in reply:
+            raise RuntimeError(f"{self.name}: {reply['error']} (log: {self.log_path})")
+        return reply
+
+    def _receive(self) -> dict:
+        while not self._conn.poll(5):
+            if not self._process.is_alive():
+                return {"error": f"the engine process exited (code {self._process.exitcode}); see {self.log_path}"}
+        return self._conn.recv()
+
+    def close(self) -> None:
+        try:
+            self._conn.send(None)
+        except (BrokenPipeError, OSError):
+            pass
+        self._process.join(timeout=30)
+        if self._process.is_alive():
+            self._process.kill()
