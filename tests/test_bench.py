@@ -104,6 +104,6 @@ def test_bench_end_to_end_writes_json_markdown_and_plot(tmp_path):
     assert all(r["identical_greedy_output"] for r in tree_rows)
     assert all(r["output_tokens"] == 2 * 8 for r in result["rows"])  # ignore_eos: every method decodes the same
     assert all(r["mean_accepted_length"] and r["mean_accepted_length"] >= 1 for r in tree_rows)
-    assert "| mtpspec-consensus k=3 | 1 |" in (tmp_path / "bench.md").read_text()
+    assert "| mtpspec-consensus k=3 n<=8 | 1 |" in (tmp_path / "bench.md").read_text()
     with Image.open(f"{out}.png") as image:
         assert image.size[0] > 1000

@@ -115,3 +115,11 @@ def test_low_confidence_tree_nodes_are_cut_and_what_stays_is_a_tree(make_propose
         tree = p.proposed_trees.get(req)
         if tree is not None:  # a valid breadth-first tree (TreeShape checks it)
             assert len(tree.shape) == len(tree.tokens)
+
+
+def test_trees_shrink_past_the_batch_backoff(make_proposer):
+    p, _, model = make_proposer(max_drafts=8, tree="consensus", max_tree_nodes=8)  # backoff from 4 requests
+    assert [p.tree_budget_for_batch(n) for n in (1, 4, 5, 8, 9, 16, 64)] == [8, 8, 4, 4, 2, 2, 1]
+    p.capture_step(torch.randn(9, model.config.hidden_size), None, [str(i) for i in range(9)])
+    drafts = p.propose([[1]] * 9)
+    assert all(len(d) <= 2 for d in drafts) and any(drafts)

@@ -136,11 +136,13 @@ def test_sampled_run_and_vllms_raw_custom_class_form(model_dir, heads_dir):
     # prefill discards a sample ("CPU Generator does not use offset"), with or without
     # speculation. The engine-wide seed keeps the run fixed.
     params = SamplingParams(temperature=0.8, top_p=0.95, max_tokens=MAX_TOKENS)
-    outputs = [list(o.outputs[0].token_ids) for o in llm.generate(chat_prompts(llm), params, use_tqdm=False)]
+    outputs, stats = tree_stats_delta(
+        lambda: [list(o.outputs[0].token_ids) for o in llm.generate(chat_prompts(llm), params, use_tqdm=False)])
     metrics = spec_metrics(llm)
     close(llm)
     assert all(len(o) > 0 for o in outputs)
     assert metrics["vllm:spec_decode_num_accepted_tokens"] > 0
+    assert stats["requests"] > 0, "sampled chains go through mtpspec's verifier"
 
 
 @pytest.mark.parametrize("spec,error", [

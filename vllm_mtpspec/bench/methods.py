@@ -26,7 +26,8 @@ class Method:
 
 
 def build_methods(names: list[str], *, model_dir: str, heads_dir: str, num_heads: list[int], quants: list[str],
-                  tree: str, work_dir: Path, num_spec_tokens: int = 3, draft_layers: int = 6) -> list[Method]:
+                  tree: str, work_dir: Path, max_tree_nodes: int = 8, num_spec_tokens: int = 3,
+                  draft_layers: int = 6) -> list[Method]:
     unknown = [n for n in names if n not in KNOWN_METHODS]
     if unknown:
         raise ValueError(f"--methods: unknown {unknown}; choose from {', '.join(KNOWN_METHODS)}")
@@ -55,7 +56,10 @@ def build_methods(names: list[str], *, model_dir: str, heads_dir: str, num_heads
                 heads = heads_dir if quant == "fp" else str(_int2_heads(heads_dir, work_dir))
                 for k in num_heads:
                     config = {"method": "mtpspec", "model": heads, "num_speculative_tokens": k, "tree": method_tree}
-                    label = f"mtpspec-{'chain' if method_tree == 'chain' else method_tree} k={k}"
+                    label = f"mtpspec-chain k={k}"
+                    if method_tree != "chain":
+                        config["max_tree_nodes"] = max_tree_nodes
+                        label = f"mtpspec-{method_tree} k={k} n<={max_tree_nodes}"
                     methods.append(Method(label + ("" if quant == "fp" else " int2"), name, config))
     return methods
 

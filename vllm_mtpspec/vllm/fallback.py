@@ -39,12 +39,3 @@ def log_fallback_once(reason: str) -> None:
         _logged.add(reason)
         logger.info("mtpspec: requests with %s are verified as a chain, not a tree", reason)
 
-
-def platform_blocker() -> str | None:
-    """Why this platform cannot verify trees at all (None when it can)."""
-    from vllm.platforms import current_platform
-
-    if not current_platform.is_cpu():
-        return ("tree attention is built for vLLM's CPU backend only so far: on this platform every "
-                "request is verified as a chain")
-    return None

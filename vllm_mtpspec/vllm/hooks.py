@@ -6,7 +6,8 @@
    model right there, in the front-end process, before any engine starts.
 2. GPUModelRunner.propose_draft_token_ids (inherited by CPUModelRunner, same signature in
    0.32 and 0.33) holds the hidden states that a `custom_class` proposer never receives:
-   the wrapper hands them to our proposer, then calls vLLM's own method.
+   the wrapper hands them to our proposer, then calls vLLM's own method (and times it,
+   for any proposer: benchmarks report the drafting share of step time).
 3. Tree verification, three patches that act only on requests whose drafts are a tree
    the proposer sent (tree_step.py); every other request runs through vLLM unchanged:
    - GPUModelRunner._prepare_inputs: after vLLM lays out the step (slots from sequential
@@ -121,9 +122,7 @@ def install_hidden_state_hook() -> None:
         if capture is not None:
             bound = signature.bind(self, *args, **kwargs)
             req_ids = list(self.input_batch.req_ids)
-            blockers = None
-            if getattr(drafter, "uses_trees", False):
-                blockers = [_tree_blocker_for(self, r) for r in req_ids]
+            blockers = [_tree_blocker_for(self, r) for r in req_ids]
             capture(
                 bound.arguments["sample_hidden_states"],
                 bound.arguments["spec_decode_metadata"],
@@ -149,7 +148,7 @@ class TreeStats:
     """What the tree path did in this process (read by tests and benchmarks)."""
 
     steps: int = 0              # steps with at least one tree request
-    requests: int = 0           # request-steps verified as trees
+    requests: int = 0           # request-steps verified by our rules (trees, sampled chains)
     accepted: int = 0           # draft tokens accepted on the tree path
     off_chain_accepted: int = 0  # of them, nodes that a top-1 chain would not have held
 
@@ -170,6 +169,8 @@ def install_tree_hooks() -> None:
     from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackendImpl
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
+    _require(GPUModelRunner, "_prepare_inputs", "_sample")
+    _require(CPUAttentionBackendImpl, "forward")
     from vllm_mtpspec.vllm.attention import overwrite_tree_rows, plan_tree_attention, probe_block_layout
     from vllm_mtpspec.vllm.kv_compaction import compaction_moves, move_kv
     from vllm_mtpspec.vllm.tree_sampler import verify_tree_requests
@@ -186,15 +187,16 @@ def install_tree_hooks() -> None:
         step = NO_TREES
         proposed = getattr(getattr(self, "drafter", None), "proposed_trees", None)
         if proposed and scheduler_output.scheduled_spec_decode_tokens:
+            sampled = {r for r in scheduler_output.scheduled_spec_decode_tokens if r not in self.input_batch.greedy_reqs}
             step = schedule_trees(proposed, scheduler_output.scheduled_spec_decode_tokens,
-                                  self.input_batch.req_id_to_index)
+                                  self.input_batch.req_id_to_index, sampled)
             starts = self.query_start_loc.np
             for tree in step.trees:
                 end = int(starts[tree.batch_index + 1])
                 self.positions[end - tree.num_query_tokens: end] += tree.position_offsets.to(self.positions.device)
         self._mtpspec_tree_step = step
         self._mtpspec_tree_rows = None
-        _active_tree_step = step if step else None
+        _active_tree_step = step.branching if step.branching else None
         _tree_attention_plan = None
         return result
 
@@ -245,6 +247,15 @@ def _count(step, verdicts) -> None:
         accepted = verdicts[tree.batch_index].accepted_nodes
         tree_stats.accepted += len(accepted)
         tree_stats.off_chain_accepted += sum(1 for node in accepted if any(tree.shape.paths[node]))
+
+
+def _require(cls, *names: str) -> None:
+    missing = [n for n in names if not callable(getattr(cls, n, None))]
+    if missing:
+        from vllm_mtpspec.vllm.version import UnsupportedVLLMError, vllm_version
+
+        raise UnsupportedVLLMError(f"{cls.__name__} in vLLM {vllm_version()} has no {', '.join(missing)}; "
+                                   "vllm-mtpspec supports vLLM 0.32 and 0.33")
 
 
 def _check_tree_attention_supported(impl) -> None:

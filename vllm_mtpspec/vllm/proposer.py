@@ -12,7 +12,8 @@ Drafts are the heads' candidates:
   same cut applied to every node's path probability. The shape is remembered per request
   (`proposed_trees`) so the runner can verify the tree next step (tree_step.py). A
   request the tree path cannot serve (fallback.py) gets the chain instead.
-Depth shrinks for large batches, where verifying extra tokens stops being free.
+Depth and tree size shrink for large batches, where verifying extra tokens stops being
+free (sooner on CPUs).
 """
 from __future__ import annotations
 
@@ -22,8 +23,9 @@ import math
 import torch
 
 from vllm_mtpspec.checkpoint import load_heads
-from vllm_mtpspec.tree import TreeShape, build_static_shape, dynamic_tree, path_probs, prune
-from vllm_mtpspec.vllm.fallback import log_fallback_once, platform_blocker
+from vllm_mtpspec.tree import TreeShape, build_static_shape, chain_tree, dynamic_tree, path_probs, prune
+from vllm_mtpspec.vllm.fallback import log_fallback_once
+from vllm_mtpspec.vllm.platform_defaults import default_backoff_start, platform_blocker
 from vllm_mtpspec.vllm.options import check_against_model, options_from_additional_config
 from vllm_mtpspec.vllm.rows import last_sampled_rows
 from vllm_mtpspec.vllm.tree_step import ProposedTree
@@ -57,6 +59,7 @@ class MTPSpecProposer:
         self.heads = None  # loaded with the target, in load_model
         self.static_shape: TreeShape | None = None
         self.uses_trees = self.options.tree != "chain"
+        self.batch_backoff_start = self.options.batch_backoff_start or default_backoff_start()
         if self.uses_trees and (reason := platform_blocker()):
             logger.warning("mtpspec: %s", reason)
             self.uses_trees = False
@@ -96,13 +99,17 @@ class MTPSpecProposer:
         self._tree_rows = tree_rows or {}
         self._tree_blockers = tree_blockers
 
+    def _doublings_past_backoff(self, num_requests: int) -> int:
+        start = self.batch_backoff_start
+        return math.ceil(math.log2(num_requests / start)) if num_requests > start else 0
+
     def depth_for_batch(self, num_requests: int) -> int:
         """One draft token fewer per doubling of the batch past batch_backoff_start."""
-        depth = self.depth
-        start = self.options.batch_backoff_start
-        if num_requests > start:
-            depth -= math.ceil(math.log2(num_requests / start))
-        return max(depth, 0)
+        return max(self.depth - self._doublings_past_backoff(num_requests), 0)
+
+    def tree_budget_for_batch(self, num_requests: int) -> int:
+        """Half the tree nodes per doubling of the batch past batch_backoff_start."""
+        return max(min(self.options.max_tree_nodes, self.max_drafts) >> self._doublings_past_backoff(num_requests), 1)
 
     @torch.inference_mode()
     def propose(self, sampled_token_ids, num_tokens_no_spec=None, token_ids_cpu=None, slot_mappings=None, **_) -> list[list[int]]:
@@ -128,22 +135,31 @@ class MTPSpecProposer:
         probs = torch.softmax(logits / self._temperatures[:depth, None], dim=-1)
 
         tree_owners = [j for j, i in enumerate(owners) if self._tree_allowed(i, req_ids)]
-        chain_owners = [j for j in range(len(owners)) if j not in set(tree_owners)]
+        on_tree = set(tree_owners)
+        chain_owners = [j for j in range(len(owners)) if j not in on_tree]
         for j, tokens in zip(chain_owners, self._chains(probs[chain_owners]) if chain_owners else []):
             i = owners[j]
             drafts[i] = tokens
-            if req_ids is not None:
+            if req_ids is None:
+                continue
+            if tokens and self._blocker(i) is None:  # a chain our verifier may check (sampled requests)
+                self.proposed_trees[req_ids[i]] = ProposedTree(chain_tree(len(tokens)), tuple(tokens))
+            else:
                 self.proposed_trees.pop(req_ids[i], None)
-        for j, (shape, tokens) in zip(tree_owners, self._trees(probs[tree_owners], depth) if tree_owners else []):
+        budget = self.tree_budget_for_batch(len(sampled_token_ids))
+        for j, (shape, tokens) in zip(tree_owners, self._trees(probs[tree_owners], depth, budget) if tree_owners else []):
             i = owners[j]
             drafts[i] = tokens
             self.proposed_trees[req_ids[i]] = ProposedTree(shape, tuple(tokens))
         return drafts
 
+    def _blocker(self, batch_index: int) -> str | None:
+        return None if self._tree_blockers is None else self._tree_blockers[batch_index]
+
     def _tree_allowed(self, batch_index: int, req_ids) -> bool:
         if not self.uses_trees or req_ids is None:
             return False
-        blocker = None if self._tree_blockers is None else self._tree_blockers[batch_index]
+        blocker = self._blocker(batch_index)
         if blocker is not None:
             log_fallback_once(blocker)
             return False
@@ -155,14 +171,14 @@ class MTPSpecProposer:
         keep = (torch.cumprod(top_p, dim=-1) >= self.options.min_path_prob).sum(dim=-1).tolist()
         return [ids[:n] for ids, n in zip(top_ids.tolist(), keep)]
 
-    def _trees(self, probs: torch.Tensor, depth: int) -> list[tuple[TreeShape, list[int]]]:
+    def _trees(self, probs: torch.Tensor, depth: int, budget: int) -> list[tuple[TreeShape, list[int]]]:
         options = self.options
-        budget = min(options.max_tree_nodes, self.max_drafts)
         if self.static_shape is None:  # dynamic
             trees = [dynamic_tree(p, max_nodes=budget, top_k=options.dynamic_top_k,
                                   min_path_prob=options.min_path_prob) for p in probs]
             return [(t.shape, t.tokens.tolist()) for t in trees]
         shape = self.static_shape if depth >= self.depth else self.static_shape.limit_depth(depth)
+        shape = shape.prefix(min(budget, len(shape)))  # breadth-first: the shallow nodes stay
         top_p, top_ids = probs.topk(max(shape.max_rank, 1), dim=-1)          # [B, depth, R]
         keep = path_probs(shape, top_p) >= options.min_path_prob            # [B, n]
         out = []

