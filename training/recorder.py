@@ -20,7 +20,7 @@ class HiddenStateRecorder:
     def load_model(self, target_model) -> None:
         pass
 
-    def capture_step(self, sample_hidden_states, spec_decode_metadata, req_ids=None) -> None:
+    def capture_step(self, sample_hidden_states, spec_decode_metadata, req_ids=None, **_) -> None:
         num_drafts = None if spec_decode_metadata is None else list(spec_decode_metadata.num_draft_tokens)
         self._step = (sample_hidden_states, num_drafts, req_ids)
 

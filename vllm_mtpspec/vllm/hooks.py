@@ -187,7 +187,7 @@ def install_tree_hooks() -> None:
         step = NO_TREES
         proposed = getattr(getattr(self, "drafter", None), "proposed_trees", None)
         if proposed and scheduler_output.scheduled_spec_decode_tokens:
-            sampled = {r for r in scheduler_output.scheduled_spec_decode_tokens if r not in self.input_batch.greedy_reqs}
+            sampled = {r for r in scheduler_output.scheduled_spec_decode_tokens if _is_sampled(self, r)}
             step = schedule_trees(proposed, scheduler_output.scheduled_spec_decode_tokens,
                                   self.input_batch.req_id_to_index, sampled)
             starts = self.query_start_loc.np
@@ -247,6 +247,11 @@ def _count(step, verdicts) -> None:
         accepted = verdicts[tree.batch_index].accepted_nodes
         tree_stats.accepted += len(accepted)
         tree_stats.off_chain_accepted += sum(1 for node in accepted if any(tree.shape.paths[node]))
+
+
+def _is_sampled(runner, req_id: str) -> bool:
+    params = getattr(runner.requests.get(req_id), "sampling_params", None)
+    return params is not None and params.temperature >= 1e-5
 
 
 def _require(cls, *names: str) -> None:
