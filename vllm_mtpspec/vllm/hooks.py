@@ -191,7 +191,7 @@ def install_tree_hooks() -> None:
             step = schedule_trees(proposed, scheduler_output.scheduled_spec_decode_tokens,
                                   self.input_batch.req_id_to_index, sampled)
             starts = self.query_start_loc.np
-            for tree in step.trees:
+            for tree in step.branching.trees:  # a chain's positions are already right
                 end = int(starts[tree.batch_index + 1])
                 self.positions[end - tree.num_query_tokens: end] += tree.position_offsets.to(self.positions.device)
         self._mtpspec_tree_step = step
@@ -251,7 +251,9 @@ def _count(step, verdicts) -> None:
 
 def _is_sampled(runner, req_id: str) -> bool:
     params = getattr(runner.requests.get(req_id), "sampling_params", None)
-    return params is not None and params.temperature >= 1e-5
+    from vllm_mtpspec.vllm.tree_sampler import SAMPLING_EPS
+
+    return params is not None and params.temperature >= SAMPLING_EPS
 
 
 def _require(cls, *names: str) -> None:

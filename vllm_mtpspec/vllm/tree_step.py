@@ -4,9 +4,9 @@ The proposer sends a tree's node tokens breadth-first as the request's draft tok
 remembers its shape. The scheduler may keep only a prefix of them (token budget), and a
 breadth-first prefix is still a tree. At the start of a step the runner hook matches
 what was scheduled against what was proposed: a request whose drafts are (a prefix of)
-a proposed tree that is not a plain chain goes through the tree path this step; every
-other request is verified by vLLM as the chain it was always able to verify, which is
-lossless for any draft tokens.
+a proposed tree that is not a plain chain goes through the tree path this step, and so
+does a proposed chain of a sampled request (see schedule_trees); every other request is
+verified by vLLM's own rejection sampler as a chain.
 """
 from __future__ import annotations
 
@@ -61,10 +61,6 @@ class TreeStep:
 
     def __bool__(self) -> bool:
         return bool(self.trees)
-
-    @cached_property
-    def by_batch_index(self) -> dict[int, ScheduledTree]:
-        return {t.batch_index: t for t in self.trees}
 
     @cached_property
     def branching(self) -> "TreeStep":
