@@ -97,3 +97,18 @@ def test_quantized_heads_follow_the_full_precision_heads(tied):
     # unrelated outputs would be ~1.4 apart.
     assert rel < 0.5
     assert qheads.nbytes() < heads.nbytes() / 5
+
+
+@pytest.mark.parametrize("quantized", [False, True])
+def test_untied_heads_project_a_shallower_draft_with_their_first_heads(quantized):
+    torch.manual_seed(4)
+    heads = make_heads(tied=False, hidden_size=64, vocab_size=50)
+    for proj in heads.proj:
+        torch.nn.init.normal_(proj.weight, std=0.05)
+    if quantized:
+        heads = heads.quantized(group_size=32)
+    hidden = heads.hidden(torch.randn(4, 64))
+    full = heads.project(hidden)
+    shallow = heads.project(hidden[:, :1])
+    assert shallow.shape == (4, 1, 50)
+    torch.testing.assert_close(shallow[:, 0], full[:, 0])

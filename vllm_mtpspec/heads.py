@@ -80,7 +80,10 @@ class MTPHeads(nn.Module):
         return h.unsqueeze(-2) + delta.view(*h.shape[:-1], k, d)
 
     def project(self, head_hidden: torch.Tensor, lm_head: LMHead | None = None) -> torch.Tensor:
-        """[..., k, d] -> logits [..., k, V]: one LM-head call for tied heads."""
+        """[..., k, d] -> logits [..., k, V]: one LM-head call for tied heads.
+
+        k may be fewer than the heads loaded (a shallower draft): the first k heads project.
+        """
         lead = head_hidden.shape[:-2]
         k, d = head_hidden.shape[-2:]
         if self.proj is None:
@@ -90,10 +93,10 @@ class MTPHeads(nn.Module):
             return logits.view(*lead, k, logits.shape[-1])
         flat = head_hidden.reshape(-1, k, d).to(self._param_dtype())
         if self.is_quantized:
-            per_head = [proj(flat[:, i]) for i, proj in enumerate(self.proj)]
+            per_head = [proj(flat[:, i]) for i, proj in enumerate(self.proj[:k])]
             logits = torch.stack(per_head, dim=1)
         else:  # one batched matmul over all heads
-            weight = torch.stack([proj.weight for proj in self.proj])  # [k, V, d]
+            weight = torch.stack([proj.weight for proj in self.proj[:k]])  # [k, V, d]
             logits = torch.einsum("nkd,kvd->nkv", flat, weight)
         return logits.view(*lead, k, logits.shape[-1])
 
