@@ -35,6 +35,19 @@ def test_unknown_methods_are_named(tmp_path):
                       tree="consensus", work_dir=tmp_path)
 
 
+def test_mtpspec_variants_per_head_count_and_prompt_lookup(tmp_path):
+    methods = build_methods(["ngram", "mtpspec-chain"], model_dir="m", heads_dir="h", num_heads=[2, 3],
+                            quants=["fp"], tree="consensus", work_dir=tmp_path, lookups=[False, True])
+    assert [m.name for m in methods] == ["ngram", "mtpspec-chain k=2", "mtpspec-chain k=2 +lookup",
+                                         "mtpspec-chain k=3", "mtpspec-chain k=3 +lookup"]
+    with_lookup = methods[2].speculative_config
+    assert with_lookup["prompt_lookup_max"] == methods[0].speculative_config["prompt_lookup_max"]
+    assert "prompt_lookup_max" not in methods[1].speculative_config
+    from vllm_mtpspec.vllm.options import translate
+
+    translate(with_lookup, None)  # a config vLLM will accept
+
+
 def test_truncated_draft_model_keeps_the_first_layers(tiny_model_dir, tmp_path):
     from safetensors.torch import load_file
 

@@ -65,15 +65,15 @@ def test_drafts_come_from_each_requests_last_accepted_row(proposer):
     assert drafts[2] == []
 
 
-def test_adaptive_depth_per_request_and_per_batch(proposer):
-    p, heads, model = proposer
+def test_adaptive_depth_per_request_and_per_batch(make_proposer):
+    p, heads, model = make_proposer()
     hidden = torch.randn(1, model.config.hidden_size)
     p.capture_step(hidden, None)
     full = p.propose([[1]])[0]
     assert len(full) == 3
-    p.options.min_path_prob = 0.999  # no random head is that sure: nothing is drafted
-    p.capture_step(hidden, None)
-    assert p.propose([[1]]) == [[]]
+    unsure, _, _ = make_proposer(min_path_prob=0.999)  # no random head is that sure: nothing is drafted
+    unsure.capture_step(hidden, None)
+    assert unsure.propose([[1]]) == [[]]
     assert [p.depth_for_batch(n) for n in (1, 4, 5, 8, 9, 16, 32)] == [3, 3, 2, 2, 1, 1, 0]
 
 
@@ -123,3 +123,24 @@ def test_trees_shrink_past_the_batch_backoff(make_proposer):
     p.capture_step(torch.randn(9, model.config.hidden_size), None, [str(i) for i in range(9)])
     drafts = p.propose([[1]] * 9)
     assert all(len(d) <= 2 for d in drafts) and any(drafts)
+
+
+def test_prompt_lookup_replaces_the_heads_guess_where_the_context_repeats(make_proposer):
+    import numpy as np
+
+    from vllm_mtpspec.tree import chain_tree
+
+    p, heads, model = make_proposer(max_drafts=8, tree="consensus", max_tree_nodes=8, num_speculative_tokens=3,
+                                    prompt_lookup_max=3)
+    token_ids = np.zeros((2, 32), dtype=np.int64)
+    token_ids[0, :9] = [4, 5, 6, 7, 8, 9, 4, 5, 6]  # "4 5 6" occurred before: 7 8 9 followed
+    token_ids[1, :5] = [10, 11, 12, 13, 14]          # nothing repeats: the heads draft a tree
+    hidden = torch.randn(2, model.config.hidden_size)
+    p.capture_step(hidden, None, ["a", "b"])
+    drafts = p.propose([[6], [14]], np.array([9, 5]), token_ids)
+    assert drafts[0] == [7, 8, 9]
+    assert p.proposed_trees["a"].shape == chain_tree(3) and p.proposed_trees["a"].tokens == (7, 8, 9)
+    logits = heads(hidden[1], token_embeds=model.get_input_embeddings()(torch.tensor(14)),
+                   lm_head=model.get_output_embeddings())
+    assert drafts[1] == p.static_shape.node_tokens(logits.topk(5, dim=-1).indices).tolist()
+    assert p.proposed_trees["b"].shape == p.static_shape

@@ -62,3 +62,15 @@ def test_token_conditioned_and_quantized_heads_stay_lossless(tiny_model, tiny_mo
         decoder = ReferenceDecoder(tiny_model, HeadsDrafter(h, tiny_model), SpecOptions(tree="consensus"))
         expected = plain_greedy(tiny_model, PROMPTS[1], max_new_tokens=20, eos_token_ids=set())
         assert decoder.decode(PROMPTS[1], max_new_tokens=20).tokens == expected
+
+
+def test_prompt_lookup_drafts_stay_lossless(tiny_model, random_heads):
+    decoder = ReferenceDecoder(tiny_model, HeadsDrafter(random_heads, tiny_model),
+                               SpecOptions(min_path_prob=0.0, prompt_lookup_max=3, prompt_lookup_min=1))
+    looked_up = []
+    lookup = decoder._lookup
+    decoder._lookup = lambda context: looked_up.append(found := lookup(context)) or found
+    for prompt in PROMPTS:
+        expected = plain_greedy(tiny_model, prompt, max_new_tokens=40, eos_token_ids=set())
+        assert decoder.decode(prompt, max_new_tokens=40).tokens == expected
+    assert any(found is not None for found in looked_up)

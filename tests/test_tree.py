@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from vllm_mtpspec.tree import (
+    DraftTreeBuilder,
     TreeShape, best_expected_tree, build_static_shape, chain_tree, consensus_tree, dynamic_tree,
     tree_from_paths,
 )
@@ -98,3 +99,38 @@ def test_dynamic_tree_follows_confidence_and_stops_below_threshold():
 def test_static_presets_are_deterministic():
     assert build_static_shape("static", 3, max_nodes=10) == build_static_shape("static", 3, max_nodes=10)
     assert build_static_shape("chain", 2, max_nodes=10) == chain_tree(2)
+
+
+def _head_probs(rows):
+    """rows: per draft, per head, {token: prob} -> probs [B, k, V] (V = 8)."""
+    probs = torch.zeros(len(rows), len(rows[0]), 8)
+    for b, heads in enumerate(rows):
+        for d, dist in enumerate(heads):
+            for token, p in dist.items():
+                probs[b, d, token] = p
+    return probs
+
+
+def test_draft_builder_cuts_chains_where_the_path_probability_falls():
+    builder = DraftTreeBuilder("chain", 3, max_nodes=3, min_path_prob=0.1, dynamic_top_k=4)
+    probs = _head_probs([
+        [{1: .9, 0: .1}, {2: .6, 0: .4}, {3: .2, 0: .8}],    # paths .9, .54, .43
+        [{4: .6, 0: .4}, {5: .15, 6: .1}, {7: 1.}],         # paths .6, .09: cut after one
+    ])
+    assert builder.build(probs) == [(chain_tree(3), [1, 2, 0]), (chain_tree(1), [4])]
+    assert builder.build(probs[:, :2]) == [(chain_tree(2), [1, 2]), (chain_tree(1), [4])]  # fewer heads
+
+
+def test_draft_builder_prunes_static_trees_and_keeps_to_the_budget():
+    builder = DraftTreeBuilder("consensus", 2, max_nodes=6, min_path_prob=0.2, dynamic_top_k=4)
+    shape = builder.static_shape
+    probs = _head_probs([[{1: .6, 2: .3, 3: .1}, {4: .7, 5: .2, 6: .1}]])
+    [(tree, tokens)] = builder.build(probs)
+    # Every kept node's path probability clears the threshold, every dropped one does not.
+    p = {(0,): .6, (1,): .3, (2,): .1}
+    for path in shape.paths:
+        prob = p[path[:1]] * ([.7, .2, .1][path[1]] if len(path) > 1 else 1.0)
+        assert (path in tree.paths) == (prob >= 0.2), path
+    assert tokens == tree.node_tokens(torch.tensor([[1, 2, 3], [4, 5, 6]])).tolist()
+    [(small, _)] = builder.build(probs, budget=2)
+    assert small.paths == tuple(p for p in tree.paths if p in shape.paths[:2])

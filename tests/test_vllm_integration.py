@@ -212,6 +212,22 @@ def test_tree_greedy_output_is_unchanged(model_dir, heads_dir, baseline, tree):
     assert metrics["vllm:spec_decode_num_accepted_tokens"] > 0
 
 
+def test_prompt_lookup_drafts_keep_greedy_output_unchanged(model_dir, heads_dir, baseline, monkeypatch):
+    """Requests whose context repeats get a looked-up chain, the rest the heads' tree."""
+    from vllm_mtpspec.vllm import proposer
+
+    found = []
+    lookup = proposer.lookup_draft
+    monkeypatch.setattr(proposer, "lookup_draft", lambda *a, **kw: found.append(draft := lookup(*a, **kw)) or draft)
+    llm = build(model_dir, speculative_config={"method": "mtpspec", "model": str(heads_dir), "tree": "consensus",
+                                               "prompt_lookup_max": 4})
+    outputs, stats = tree_stats_delta(lambda: greedy(llm))
+    close(llm)
+    assert outputs == baseline
+    assert any(found) and not all(found), "some steps were meant to look up a draft, some to use the heads"
+    assert stats["requests"] > 0
+
+
 def test_tree_survives_preemption(model_dir, heads_dir, baseline):
     small = {**ENGINE, "max_model_len": 256, "kv_cache_memory_bytes": 16 << 20, "block_size": 32}
     from vllm import LLM

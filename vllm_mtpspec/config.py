@@ -119,6 +119,10 @@ class SpecOptions:
     # step is compute bound. None: 4 on CPUs, where even a few extra tokens cost (see
     # benchmarks/RESULTS.md), 16 elsewhere.
     batch_backoff_start: int | None = None
+    # Prompt lookup (lookup.py): where the context's last prompt_lookup_min..max tokens
+    # occurred before, draft what followed them instead of the heads' guesses. 0: off.
+    prompt_lookup_max: int = 0
+    prompt_lookup_min: int = 2
 
     def __post_init__(self) -> None:
         if self.tree not in TREE_PRESETS:
@@ -131,6 +135,9 @@ class SpecOptions:
             raise ConfigError(f"batch_backoff_start={self.batch_backoff_start}: must be >= 1")
         if not 0.0 <= self.min_path_prob < 1.0:
             raise ConfigError(f"min_path_prob={self.min_path_prob}: must lie in [0, 1)")
+        if self.prompt_lookup_max < 0 or self.prompt_lookup_max and not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
+            raise ConfigError(f"prompt_lookup_min={self.prompt_lookup_min}, prompt_lookup_max={self.prompt_lookup_max}: "
+                              "need 1 <= prompt_lookup_min <= prompt_lookup_max (or prompt_lookup_max=0 for off)")
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any], *, source: str = "options") -> "SpecOptions":

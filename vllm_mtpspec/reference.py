@@ -14,11 +14,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from vllm_mtpspec.config import SpecOptions
 from vllm_mtpspec.drafter import Drafter
-from vllm_mtpspec.tree import TreeShape, build_static_shape, dynamic_tree
+from vllm_mtpspec.lookup import lookup_draft
+from vllm_mtpspec.tree import DraftTreeBuilder, TreeShape, chain_tree
 from vllm_mtpspec.verify import verify_greedy, verify_sampled
 
 
@@ -49,12 +51,13 @@ class ReferenceDecoder:
         self.depth = depth or options.num_speculative_tokens or drafter.num_heads
         if self.depth > drafter.num_heads:
             raise ValueError(f"depth {self.depth} > {drafter.num_heads} heads")
-        self.static_shape: TreeShape | None = None
-        if options.tree != "dynamic":
-            self.static_shape = build_static_shape(
-                options.tree, self.depth, max_nodes=options.max_tree_nodes,
-                rank_accuracy=options.head_rank_accuracy or rank_accuracy,
-            )
+        self.trees = DraftTreeBuilder(options.tree, self.depth, max_nodes=options.max_tree_nodes,
+                                      min_path_prob=options.min_path_prob, dynamic_top_k=options.dynamic_top_k,
+                                      rank_accuracy=options.head_rank_accuracy or rank_accuracy)
+
+    @property
+    def static_shape(self) -> TreeShape | None:
+        return self.trees.static_shape
 
     @property
     def _lm_head(self):
@@ -80,15 +83,17 @@ class ReferenceDecoder:
     def _tree(self, head_logits: torch.Tensor):
         """head_logits [k, V] -> (shape, node tokens) for this step."""
         head_logits = head_logits[: self.depth].float()
-        if self.static_shape is not None:
-            shape = self.static_shape
-            topk = head_logits.topk(max(shape.max_rank, 1), dim=-1).indices
-            return shape, shape.node_tokens(topk)
         temps = self.drafter.temperatures[: self.depth].unsqueeze(-1).to(head_logits.device)
-        probs = torch.softmax(head_logits / temps, dim=-1)
-        tree = dynamic_tree(probs, max_nodes=self.options.max_tree_nodes,
-                            top_k=self.options.dynamic_top_k, min_path_prob=self.options.min_path_prob)
-        return tree.shape, tree.tokens
+        [(shape, tokens)] = self.trees.build(torch.softmax(head_logits / temps, dim=-1).unsqueeze(0))
+        return shape, torch.tensor(tokens, dtype=torch.long, device=head_logits.device)
+
+    def _lookup(self, context: list[int]):
+        """(chain, tokens) copied from the context (lookup.py), or None: as vLLM's proposer does."""
+        if not self.options.prompt_lookup_max:
+            return None
+        draft = lookup_draft(np.asarray(context), min_n=self.options.prompt_lookup_min,
+                             max_n=self.options.prompt_lookup_max, k=self.depth)
+        return (chain_tree(len(draft)), torch.tensor(draft)) if draft else None
 
     @torch.no_grad()
     def decode(
@@ -113,7 +118,7 @@ class ReferenceDecoder:
         dtype = hidden.dtype
         while len(result.tokens) < max_new_tokens and root not in eos_token_ids:
             head_logits = self.drafter.head_logits(root_hidden.unsqueeze(0), torch.tensor([root], device=device))[0]
-            shape, node_tokens = self._tree(head_logits)
+            shape, node_tokens = self._lookup(prompt_ids + result.tokens) or self._tree(head_logits)
             n = len(shape)
             input_ids = torch.cat([torch.tensor([root], device=device), node_tokens.to(device)])
             depths = torch.tensor((0,) + shape.depths, device=device)

@@ -256,3 +256,65 @@ def prune(shape: TreeShape, keep: Sequence[bool]) -> TreeShape:
     """The nodes marked keep; callers keep a node's ancestors whenever they keep the node
     (true of any threshold on path probabilities, which never grow with depth)."""
     return TreeShape(tuple(p for p, k in zip(shape.paths, keep) if k))
+
+
+class DraftTreeBuilder:
+    """Each step's draft trees from the heads' probabilities, by one rule wherever
+    drafts are made (the reference decoder and vLLM's proposer).
+
+    chain / consensus / static: a fixed shape, limited to the heads asked for and to the
+    node budget, then cut where a node's path probability falls below min_path_prob.
+    dynamic: the nodes of highest path probability, grown per step.
+    """
+
+    def __init__(self, preset: str, depth: int, *, max_nodes: int, min_path_prob: float,
+                 dynamic_top_k: int, rank_accuracy=None) -> None:
+        self.max_nodes = max_nodes
+        self.min_path_prob = min_path_prob
+        self.dynamic_top_k = dynamic_top_k
+        self.static_shape = None if preset == "dynamic" else build_static_shape(
+            preset, depth, max_nodes=max_nodes, rank_accuracy=rank_accuracy)
+        self._pruned_shapes: dict[tuple, TreeShape] = {}
+        self._cut_shapes: dict[tuple[int, int], TreeShape] = {}
+
+    @property
+    def is_chain(self) -> bool:
+        return self.static_shape is not None and self.static_shape.max_rank <= 1
+
+    def build(self, probs: torch.Tensor, *, budget: int | None = None) -> list[tuple[TreeShape, list[int]]]:
+        """probs [B, d, V], temperature-scaled (d may be fewer heads than the shape was
+        built for) -> per row, the tree and its node tokens, breadth-first."""
+        budget = self.max_nodes if budget is None else min(budget, self.max_nodes)
+        if self.static_shape is None:
+            trees = [dynamic_tree(p, max_nodes=budget, top_k=self.dynamic_top_k,
+                                  min_path_prob=self.min_path_prob) for p in probs]
+            return [(t.shape, t.tokens.tolist()) for t in trees]
+        shape = self._cut_shape(probs.shape[1], budget)
+        if self.is_chain:
+            return self._chains(probs[:, :len(shape)])
+        top_p, top_ids = probs.topk(max(shape.max_rank, 1), dim=-1)          # [B, d, R]
+        keep = path_probs(shape, top_p) >= self.min_path_prob               # [B, n]
+        out = []
+        for b in range(probs.shape[0]):
+            pruned = self._pruned(shape, keep[b])
+            out.append((pruned, pruned.node_tokens(top_ids[b]).tolist()))
+        return out
+
+    def _cut_shape(self, depth: int, budget: int) -> TreeShape:
+        key = (depth, budget)
+        if key not in self._cut_shapes:
+            shape = self.static_shape.limit_depth(depth)
+            self._cut_shapes[key] = shape.prefix(min(budget, len(shape)))  # breadth-first: the shallow nodes stay
+        return self._cut_shapes[key]
+
+    def _chains(self, probs: torch.Tensor) -> list[tuple[TreeShape, list[int]]]:
+        """The chain case in one vectorised pass: each head's top-1 up to the cut."""
+        top_p, top_ids = probs.max(dim=-1)                                   # [B, d]
+        keep = (torch.cumprod(top_p, dim=-1) >= self.min_path_prob).sum(dim=-1).tolist()
+        return [(chain_tree(n), ids[:n]) for ids, n in zip(top_ids.tolist(), keep)]
+
+    def _pruned(self, shape: TreeShape, keep: torch.Tensor) -> TreeShape:
+        key = (shape.paths, keep.cpu().numpy().tobytes())
+        if key not in self._pruned_shapes:
+            self._pruned_shapes[key] = prune(shape, keep.tolist())
+        return self._pruned_shapes[key]

@@ -42,6 +42,9 @@ def add_parser(sub) -> None:
     p.add_argument("--tree", default="consensus", choices=("consensus", "static", "dynamic"),
                    help="the tree preset of mtpspec-tree")
     p.add_argument("--max-tree-nodes", type=int, default=8, help="node budget of mtpspec-tree")
+    p.add_argument("--prompt-lookup", default="off",
+                   help="off, on or off,on: mtpspec methods also draft from the context where it repeats "
+                        "(prompt_lookup_max=4), one row each")
     p.add_argument("--batch-sizes", default="1,4,16,64")
     p.add_argument("--temperatures", default="0,0.7", help="0 is greedy")
     p.add_argument("--max-new-tokens", type=int, default=64)
@@ -77,8 +80,8 @@ def run(args) -> int:
     methods = build_methods([m.strip() for m in args.methods.split(",") if m.strip()], model_dir=model,
                             heads_dir=heads, num_heads=_ints(args.num_heads), quants=args.quant.split(","),
                             tree=args.tree, max_tree_nodes=args.max_tree_nodes, work_dir=work_dir,
-                            num_spec_tokens=args.spec_tokens,
-                            draft_layers=args.draft_layers)
+                            num_spec_tokens=args.spec_tokens, draft_layers=args.draft_layers,
+                            lookups=[x.strip() == "on" for x in args.prompt_lookup.split(",")])
     engine = engine_settings(max(batch_sizes), args.max_prompt_tokens, args.max_new_tokens, _kv_bytes_per_token(model))
     print(f"{len(prompts)} prompts ({', '.join(sorted({p.category for p in prompts}))}), methods: "
           f"{', '.join(m.name for m in methods)}; batch sizes {batch_sizes}; temperatures {temperatures}")

@@ -5,7 +5,7 @@
 - suffix: vLLM's suffix decoding (needs the arctic-inference package).
 - draft: vLLM's draft-model method with a truncated copy of the target (draft_model.py).
 - mtpspec-chain / mtpspec-tree: our heads, as top-1 chains or verified as trees; one
-  variant per number of heads and per quantization asked for.
+  variant per number of heads, per quantization and with or without prompt lookup.
 """
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 KNOWN_METHODS = ("none", "ngram", "suffix", "draft", "mtpspec-chain", "mtpspec-tree")
+PROMPT_LOOKUP_MAX = 4  # as the ngram row's prompt_lookup_max, so the two draft from the same matches
 
 
 @dataclass
@@ -27,7 +28,7 @@ class Method:
 
 def build_methods(names: list[str], *, model_dir: str, heads_dir: str, num_heads: list[int], quants: list[str],
                   tree: str, work_dir: Path, max_tree_nodes: int = 8, num_spec_tokens: int = 3,
-                  draft_layers: int = 6) -> list[Method]:
+                  draft_layers: int = 6, lookups: list[bool] = (False,)) -> list[Method]:
     unknown = [n for n in names if n not in KNOWN_METHODS]
     if unknown:
         raise ValueError(f"--methods: unknown {unknown}; choose from {', '.join(KNOWN_METHODS)}")
@@ -37,7 +38,7 @@ def build_methods(names: list[str], *, model_dir: str, heads_dir: str, num_heads
             methods.append(Method("none", name, None))
         elif name == "ngram":
             methods.append(Method("ngram", name, {"method": "ngram", "num_speculative_tokens": num_spec_tokens,
-                                                  "prompt_lookup_max": 4, "prompt_lookup_min": 2}))
+                                                  "prompt_lookup_max": PROMPT_LOOKUP_MAX, "prompt_lookup_min": 2}))
         elif name == "suffix":
             missing = importlib.util.find_spec("arctic_inference") is None
             methods.append(Method("suffix", name, {"method": "suffix", "num_speculative_tokens": num_spec_tokens},
@@ -55,12 +56,17 @@ def build_methods(names: list[str], *, model_dir: str, heads_dir: str, num_heads
             for quant in quants:
                 heads = heads_dir if quant == "fp" else str(_int2_heads(heads_dir, work_dir))
                 for k in num_heads:
-                    config = {"method": "mtpspec", "model": heads, "num_speculative_tokens": k, "tree": method_tree}
-                    label = f"mtpspec-chain k={k}"
-                    if method_tree != "chain":
-                        config["max_tree_nodes"] = max_tree_nodes
-                        label = f"mtpspec-{method_tree} k={k} n<={max_tree_nodes}"
-                    methods.append(Method(label + ("" if quant == "fp" else " int2"), name, config))
+                    for lookup in lookups:
+                        config = {"method": "mtpspec", "model": heads, "num_speculative_tokens": k,
+                                  "tree": method_tree}
+                        label = f"mtpspec-chain k={k}"
+                        if method_tree != "chain":
+                            config["max_tree_nodes"] = max_tree_nodes
+                            label = f"mtpspec-{method_tree} k={k} n<={max_tree_nodes}"
+                        if lookup:
+                            config["prompt_lookup_max"] = PROMPT_LOOKUP_MAX
+                            label += " +lookup"
+                        methods.append(Method(label + ("" if quant == "fp" else " int2"), name, config))
     return methods
 
 

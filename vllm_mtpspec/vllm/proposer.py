@@ -23,7 +23,8 @@ import math
 import torch
 
 from vllm_mtpspec.checkpoint import load_heads
-from vllm_mtpspec.tree import TreeShape, build_static_shape, chain_tree, dynamic_tree, path_probs, prune
+from vllm_mtpspec.lookup import lookup_draft
+from vllm_mtpspec.tree import DraftTreeBuilder, TreeShape, chain_tree
 from vllm_mtpspec.vllm.fallback import log_fallback_once
 from vllm_mtpspec.vllm.platform_defaults import default_backoff_start, platform_blocker
 from vllm_mtpspec.vllm.options import check_against_model, options_from_additional_config
@@ -57,7 +58,8 @@ class MTPSpecProposer:
         self.dtype = model_config.dtype
         self.device = torch.device(vllm_config.device_config.device)
         self.heads = None  # loaded with the target, in load_model
-        self.static_shape: TreeShape | None = None
+        self._chain_builder: DraftTreeBuilder | None = None  # built in load_model
+        self._tree_builder: DraftTreeBuilder | None = None
         self.uses_trees = self.options.tree != "chain"
         self.batch_backoff_start = self.options.batch_backoff_start or default_backoff_start()
         if self.uses_trees and (reason := platform_blocker()):
@@ -65,7 +67,6 @@ class MTPSpecProposer:
             self.uses_trees = False
         # What was sent as each request's drafts, when it was a tree (read by the runner).
         self.proposed_trees: dict[str, ProposedTree] = {}
-        self._pruned_shapes: dict[tuple, TreeShape] = {}
         # Set by the runner hook each step, consumed by propose.
         self._sample_hidden_states: torch.Tensor | None = None
         self._num_draft_tokens: list[int] | None = None
@@ -79,15 +80,22 @@ class MTPSpecProposer:
         # Through the target's modules, never its weights: on the CPU they are repacked.
         self._lm_head = target_model.compute_logits
         self._embed = getattr(target_model, "embed_input_ids", None) or target_model.get_input_embeddings
-        if self.uses_trees and self.options.tree in ("consensus", "static"):
-            self.static_shape = build_static_shape(
-                self.options.tree, self.depth, max_nodes=min(self.options.max_tree_nodes, self.max_drafts),
-                rank_accuracy=self.options.head_rank_accuracy or self.heads.config.rank_accuracy,
-            )
+        options = self.options
+        builder = dict(min_path_prob=options.min_path_prob, dynamic_top_k=options.dynamic_top_k,
+                       rank_accuracy=options.head_rank_accuracy or self.heads.config.rank_accuracy)
+        self._chain_builder = DraftTreeBuilder("chain", self.depth, max_nodes=self.depth, **builder)
+        if self.uses_trees:
+            self._tree_builder = DraftTreeBuilder(options.tree, self.depth,
+                                                  max_nodes=min(options.max_tree_nodes, self.max_drafts), **builder)
         logger.info("mtpspec: loaded %s heads (%s, %s) from %s; drafting %s of depth %d",
                     self.heads.num_heads, "tied" if self.heads.config.tied else "untied",
                     "int2" if self.heads.is_quantized else str(self.dtype), self.options.heads,
                     self.options.tree if self.uses_trees else "chains", self.depth)
+
+    @property
+    def static_shape(self) -> TreeShape | None:
+        """The fixed tree shape drafted (None for chains and dynamic trees)."""
+        return None if self._tree_builder is None else self._tree_builder.static_shape
 
     def capture_step(self, sample_hidden_states: torch.Tensor, spec_decode_metadata, req_ids=None,
                      tree_rows: dict[int, int] | None = None, tree_blockers: list[str | None] | None = None) -> None:
@@ -134,24 +142,41 @@ class MTPSpecProposer:
         logits = self.heads.project(head_hidden, self._lm_head).float()     # [B, depth, V]
         probs = torch.softmax(logits / self._temperatures[:depth, None], dim=-1)
 
-        tree_owners = [j for j, i in enumerate(owners) if self._tree_allowed(i, req_ids)]
+        looked_up = self._lookup_drafts(owners, depth, num_tokens_no_spec, token_ids_cpu)
+        tree_owners = [j for j, i in enumerate(owners) if j not in looked_up and self._tree_allowed(i, req_ids)]
         on_tree = set(tree_owners)
         chain_owners = [j for j in range(len(owners)) if j not in on_tree]
-        for j, tokens in zip(chain_owners, self._chains(probs[chain_owners]) if chain_owners else []):
+        heads_chains = self._chain_builder.build(probs[chain_owners]) if chain_owners else []
+        chains = [(chain_tree(len(looked_up[j])), looked_up[j]) if j in looked_up else chain
+                  for j, chain in zip(chain_owners, heads_chains)]
+        for j, (shape, tokens) in zip(chain_owners, chains):
             i = owners[j]
             drafts[i] = tokens
             if req_ids is None:
                 continue
             if tokens and self._blocker(i) is None:  # a chain our verifier may check (sampled requests)
-                self.proposed_trees[req_ids[i]] = ProposedTree(chain_tree(len(tokens)), tuple(tokens))
+                self.proposed_trees[req_ids[i]] = ProposedTree(shape, tuple(tokens))
             else:
                 self.proposed_trees.pop(req_ids[i], None)
         budget = self.tree_budget_for_batch(len(sampled_token_ids))
-        for j, (shape, tokens) in zip(tree_owners, self._trees(probs[tree_owners], depth, budget) if tree_owners else []):
+        trees = self._tree_builder.build(probs[tree_owners], budget=budget) if tree_owners else []
+        for j, (shape, tokens) in zip(tree_owners, trees):
             i = owners[j]
             drafts[i] = tokens
             self.proposed_trees[req_ids[i]] = ProposedTree(shape, tuple(tokens))
         return drafts
+
+    def _lookup_drafts(self, owners: list[int], depth: int, num_tokens, token_ids) -> dict[int, list[int]]:
+        """Prompt-lookup drafts (lookup.py) by position in owners, where the context has one."""
+        max_n = self.options.prompt_lookup_max
+        if not max_n or token_ids is None or num_tokens is None:
+            return {}
+        found = {}
+        for j, i in enumerate(owners):
+            draft = lookup_draft(token_ids[i, :num_tokens[i]], min_n=self.options.prompt_lookup_min, max_n=max_n, k=depth)
+            if draft:
+                found[j] = draft
+        return found
 
     def _blocker(self, batch_index: int) -> str | None:
         return None if self._tree_blockers is None else self._tree_blockers[batch_index]
@@ -164,31 +189,3 @@ class MTPSpecProposer:
             log_fallback_once(blocker)
             return False
         return True
-
-    def _chains(self, probs: torch.Tensor) -> list[list[int]]:
-        """probs [B, depth, V] -> each head's top-1, cut where the path probability falls."""
-        top_p, top_ids = probs.max(dim=-1)                                   # [B, depth]
-        keep = (torch.cumprod(top_p, dim=-1) >= self.options.min_path_prob).sum(dim=-1).tolist()
-        return [ids[:n] for ids, n in zip(top_ids.tolist(), keep)]
-
-    def _trees(self, probs: torch.Tensor, depth: int, budget: int) -> list[tuple[TreeShape, list[int]]]:
-        options = self.options
-        if self.static_shape is None:  # dynamic
-            trees = [dynamic_tree(p, max_nodes=budget, top_k=options.dynamic_top_k,
-                                  min_path_prob=options.min_path_prob) for p in probs]
-            return [(t.shape, t.tokens.tolist()) for t in trees]
-        shape = self.static_shape if depth >= self.depth else self.static_shape.limit_depth(depth)
-        shape = shape.prefix(min(budget, len(shape)))  # breadth-first: the shallow nodes stay
-        top_p, top_ids = probs.topk(max(shape.max_rank, 1), dim=-1)          # [B, depth, R]
-        keep = path_probs(shape, top_p) >= options.min_path_prob            # [B, n]
-        out = []
-        for b in range(probs.shape[0]):
-            pruned = self._pruned(shape, keep[b])
-            out.append((pruned, pruned.node_tokens(top_ids[b]).tolist()))
-        return out
-
-    def _pruned(self, shape: TreeShape, keep: torch.Tensor) -> TreeShape:
-        key = (shape.paths, keep.numpy().tobytes())
-        if key not in self._pruned_shapes:
-            self._pruned_shapes[key] = prune(shape, keep.tolist())
-        return self._pruned_shapes[key]
