@@ -75,6 +75,18 @@ def sharegpt_prompts(path: str | Path | None = None, *, max_chars: int = 2000) -
     return prompts
 
 
+def sharegpt_answers(path: str | Path | None = None) -> dict[str, str]:
+    """Conversation id -> the dataset's answer to its first human turn (the text Medusa-1
+    trains on)."""
+    answers = {}
+    for record in iter_sharegpt(path or sharegpt_path()):
+        turns = record.get("conversations") or []
+        first = next((i for i, t in enumerate(turns) if t.get("from") == "human"), None)
+        if first is not None and first + 1 < len(turns) and turns[first + 1].get("from") == "gpt":
+            answers[str(record.get("id"))] = turns[first + 1].get("value", "")
+    return answers
+
+
 def load_training_prompts(path: str | Path) -> list[Prompt]:
     """JSONL (`prompt`/`turns`), a ShareGPT JSON array, or plain text (a prompt per
     paragraph), told apart by content."""
