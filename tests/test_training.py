@@ -32,6 +32,16 @@ def tiny_data(tiny_smol_teacher, tmp_path_factory):
     return root
 
 
+def test_max_train_shards_takes_the_first_shards(tiny_smol_teacher, tiny_data):
+    config = TrainConfig(model=str(tiny_smol_teacher), train_data=str(tiny_data / "train"),
+                         held_out_data=str(tiny_data / "held"), max_train_shards=1)
+    train, held = ensure_data(config, Path(tiny_smol_teacher))
+    assert train == list_shards(tiny_data / "train")[:1] and len(list_shards(tiny_data / "train")) == 2
+    assert held == list_shards(tiny_data / "held")
+    with pytest.raises(TrainConfigError, match="max_train_shards=0"):
+        TrainConfig(max_train_shards=0)
+
+
 def test_data_shards_hold_answers_hidden_states_and_distributions(tiny_data):
     shard = torch.load(list_shards(tiny_data / "train")[0], weights_only=True)
     n = int(shard["offsets"][-1])

@@ -27,6 +27,7 @@ class TrainConfig:
     prompts: str | None = None                 # JSONL / ShareGPT JSON / text, or "sharegpt"
     max_prompts: int | None = None
     max_new_tokens: int = 256
+    max_train_shards: int | None = None         # the first N shards only (same-budget comparisons)
     # Heads
     num_heads: int = 4
     tied: bool = True
@@ -61,6 +62,8 @@ class TrainConfig:
             raise TrainConfigError("mode='cotrain' needs 'student': the folder of the model to train with its heads")
         if self.num_heads < 1 or self.batch_size < 1 or self.num_workers < 1:
             raise TrainConfigError("num_heads, batch_size and num_workers must be >= 1")
+        if self.max_train_shards is not None and self.max_train_shards < 1:
+            raise TrainConfigError(f"max_train_shards={self.max_train_shards}: must be >= 1 (or null for all)")
 
     @classmethod
     def from_file(cls, path: str | Path, **overrides: Any) -> "TrainConfig":

@@ -183,7 +183,7 @@ def ensure_data(config: TrainConfig, model_dir: Path) -> tuple[list[Path], list[
             f"train_data={config.train_data!r} holds no shard-*.pt files and no 'prompts' were given to make "
             "them: the data set is empty. Set 'prompts' (a JSONL file or 'sharegpt') or run python -m training.data"
         )
-    return train_shards, held_shards
+    return train_shards[: config.max_train_shards], held_shards
 
 
 def connect_ray(config: TrainConfig) -> None:
