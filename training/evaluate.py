@@ -10,8 +10,12 @@ from __future__ import annotations
 
 from collections import defaultdict
 from pathlib import Path
+from typing import Callable
 
+import numpy as np
 import torch
+
+from vllm_mtpspec.lookup import lookup_draft
 
 from vllm_mtpspec.heads import MTPHeads
 from vllm_mtpspec.tree import TreeShape, build_static_shape
@@ -29,12 +33,21 @@ def answer_head_logits(heads: MTPHeads, hidden, tokens, lm_head, embed, chunk: i
         yield slice(start, start + h.shape[0]), heads(h, token_embeds=e, lm_head=lambda x: x @ lm_head.T)
 
 
-def replay_tree(shape: TreeShape, node_tokens_per_row: torch.Tensor, answer: torch.Tensor) -> list[int]:
-    """Accepted lengths (accepted + 1) of greedy decoding along one answer."""
+def replay_tree(shape: TreeShape, node_tokens_per_row: torch.Tensor, answer: torch.Tensor,
+                lookup: Callable[[int], list[int]] | None = None) -> list[int]:
+    """Accepted lengths (accepted + 1) of greedy decoding along one answer. lookup(r), when
+    given, is a looked-up chain that replaces the tree at row r (as the proposer does)."""
     lengths, r, n = [], 0, answer.numel()
     paths = shape.paths
     answer_list = answer.tolist()
     while r < n - 1:
+        chain = lookup(r) if lookup else None
+        if chain:
+            best = next((d for d, t in enumerate(chain) if r + d + 1 >= n or t != answer_list[r + d + 1]), len(chain))
+            emitted = min(best + 1, n - 1 - r)
+            lengths.append(emitted)
+            r += emitted
+            continue
         tokens = node_tokens_per_row[r].tolist()
         ok: dict[tuple, bool] = {}
         best = 0
@@ -55,7 +68,9 @@ def replay_tree(shape: TreeShape, node_tokens_per_row: torch.Tensor, answer: tor
 @torch.no_grad()
 def evaluate_heads(heads: MTPHeads, shard_files: list[Path], *, lm_head: torch.Tensor, embed: torch.Tensor,
                    trees: tuple[str, ...] = ("chain", "consensus"), max_tree_nodes: int = 16,
-                   fit_temperatures: bool = False, temperature_rows: int = 8192) -> dict:
+                   fit_temperatures: bool = False, temperature_rows: int = 8192,
+                   prompt_lookup: tuple[int, int] | None = (2, 4)) -> dict:
+    """prompt_lookup: (min_n, max_n) to also replay `chain+lookup` (lookup.py), or None."""
     heads = heads.float().eval()
     k = heads.num_heads
     shapes = {name: build_static_shape(name, k, max_nodes=max_tree_nodes, rank_accuracy=heads.config.rank_accuracy)
@@ -66,8 +81,9 @@ def evaluate_heads(heads: MTPHeads, shard_files: list[Path], *, lm_head: torch.T
     per_cat = defaultdict(lambda: torch.zeros(3, k))  # [top1, top5, count]
     nll = torch.zeros(k, len(TEMPERATURE_GRID))
     fitted_rows = [0] * k
-    accepted = {name: [] for name in trees}
-    accepted_cat = {name: defaultdict(list) for name in trees}
+    replays = list(trees) + (["chain+lookup"] if prompt_lookup and "chain" in shapes else [])
+    accepted = {name: [] for name in replays}
+    accepted_cat = {name: defaultdict(list) for name in replays}
     for file in shard_files:
         shard = torch.load(file, weights_only=True)
         offsets = shard["offsets"].tolist()
@@ -102,9 +118,20 @@ def evaluate_heads(heads: MTPHeads, shard_files: list[Path], *, lm_head: torch.T
             for name, shape in shapes.items():
                 depth_idx = torch.tensor([d - 1 for d in shape.depths], dtype=torch.long)
                 rank_idx = torch.tensor(shape.ranks, dtype=torch.long)
-                lengths = replay_tree(shape, topk_all[:, depth_idx, rank_idx], tokens)
+                node_tokens = topk_all[:, depth_idx, rank_idx]
+                lengths = replay_tree(shape, node_tokens, tokens)
                 accepted[name].extend(lengths)
                 accepted_cat[name][category].extend(lengths)
+                if name == "chain" and "chain+lookup" in accepted:
+                    context = np.asarray(list(shard["prompt_ids"][j]) + tokens.tolist())
+                    first = len(shard["prompt_ids"][j])
+
+                    def lookup(r, context=context, first=first):
+                        return lookup_draft(context[:first + r + 1], min_n=prompt_lookup[0],
+                                            max_n=prompt_lookup[1], k=len(shape))
+                    lengths = replay_tree(shape, node_tokens, tokens, lookup)
+                    accepted["chain+lookup"].extend(lengths)
+                    accepted_cat["chain+lookup"][category].extend(lengths)
     rank_accuracy = (hits / rows.clamp_min(1)[:, None])
     summary = {
         "rows": int(rows[0].item()),
