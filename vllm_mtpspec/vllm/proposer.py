@@ -12,6 +12,9 @@ Drafts are the heads' candidates:
   same cut applied to every node's path probability. The shape is remembered per request
   (`proposed_trees`) so the runner can verify the tree next step (tree_step.py). A
   request the tree path cannot serve (fallback.py) gets the chain instead.
+- prompt lookup (lookup.py, when prompt_lookup_max is set): where the context's last
+  tokens occurred before, what followed them is the request's draft, as a chain, and
+  the heads are not run for it.
 Depth and tree size shrink for large batches, where verifying extra tokens stops being
 free (sooner on CPUs).
 """
@@ -135,36 +138,46 @@ class MTPSpecProposer:
         if not pairs:
             return drafts
         owners = [i for i, _ in pairs]
-        hidden = hidden_all[torch.tensor([row for _, row in pairs], device=hidden_all.device)]
-        token_ids = torch.tensor([sampled_token_ids[i][-1] for i in owners], device=hidden.device)
-        embeds = self._embed(token_ids) if self.heads.config.token_conditioned else None
-        head_hidden = self.heads.hidden(hidden, embeds)[:, :depth]          # [B, depth, d]
-        logits = self.heads.project(head_hidden, self._lm_head).float()     # [B, depth, V]
-        probs = torch.softmax(logits / self._temperatures[:depth, None], dim=-1)
-
+        # Where the context repeats, its continuation is the draft and the heads are not
+        # run at all (no LM-head projection for that request).
         looked_up = self._lookup_drafts(owners, depth, num_tokens_no_spec, token_ids_cpu)
-        tree_owners = [j for j, i in enumerate(owners) if j not in looked_up and self._tree_allowed(i, req_ids)]
-        on_tree = set(tree_owners)
-        chain_owners = [j for j in range(len(owners)) if j not in on_tree]
-        heads_chains = self._chain_builder.build(probs[chain_owners]) if chain_owners else []
-        chains = [(chain_tree(len(looked_up[j])), looked_up[j]) if j in looked_up else chain
-                  for j, chain in zip(chain_owners, heads_chains)]
-        for j, (shape, tokens) in zip(chain_owners, chains):
-            i = owners[j]
-            drafts[i] = tokens
-            if req_ids is None:
-                continue
-            if tokens and self._blocker(i) is None:  # a chain our verifier may check (sampled requests)
-                self.proposed_trees[req_ids[i]] = ProposedTree(shape, tuple(tokens))
-            else:
-                self.proposed_trees.pop(req_ids[i], None)
+        for j, tokens in looked_up.items():
+            self._send_chain(owners[j], chain_tree(len(tokens)), tokens, drafts, req_ids)
+        head_owners = [j for j in range(len(owners)) if j not in looked_up]
+        if not head_owners:
+            return drafts
+        probs = self._head_probs(hidden_all, [pairs[j] for j in head_owners], sampled_token_ids, depth)
+        tree_rows = [n for n, j in enumerate(head_owners) if self._tree_allowed(owners[j], req_ids)]
+        on_tree = set(tree_rows)
+        chain_rows = [n for n in range(len(head_owners)) if n not in on_tree]
+        for n, (shape, tokens) in zip(chain_rows, self._chain_builder.build(probs[chain_rows]) if chain_rows else []):
+            self._send_chain(owners[head_owners[n]], shape, tokens, drafts, req_ids)
         budget = self.tree_budget_for_batch(len(sampled_token_ids))
-        trees = self._tree_builder.build(probs[tree_owners], budget=budget) if tree_owners else []
-        for j, (shape, tokens) in zip(tree_owners, trees):
-            i = owners[j]
+        trees = self._tree_builder.build(probs[tree_rows], budget=budget) if tree_rows else []
+        for n, (shape, tokens) in zip(tree_rows, trees):
+            i = owners[head_owners[n]]
             drafts[i] = tokens
             self.proposed_trees[req_ids[i]] = ProposedTree(shape, tuple(tokens))
         return drafts
+
+    def _head_probs(self, hidden_all: torch.Tensor, pairs: list[tuple[int, int]], sampled_token_ids,
+                    depth: int) -> torch.Tensor:
+        """(request, row) pairs -> the heads' temperature-scaled probabilities [B, depth, V]."""
+        hidden = hidden_all[torch.tensor([row for _, row in pairs], device=hidden_all.device)]
+        token_ids = torch.tensor([sampled_token_ids[i][-1] for i, _ in pairs], device=hidden.device)
+        embeds = self._embed(token_ids) if self.heads.config.token_conditioned else None
+        head_hidden = self.heads.hidden(hidden, embeds)[:, :depth]          # [B, depth, d]
+        logits = self.heads.project(head_hidden, self._lm_head).float()     # [B, depth, V]
+        return torch.softmax(logits / self._temperatures[:depth, None], dim=-1)
+
+    def _send_chain(self, batch_index: int, shape: TreeShape, tokens: list[int], drafts, req_ids) -> None:
+        drafts[batch_index] = tokens
+        if req_ids is None:
+            return
+        if tokens and self._blocker(batch_index) is None:  # a chain our verifier may check (sampled requests)
+            self.proposed_trees[req_ids[batch_index]] = ProposedTree(shape, tuple(tokens))
+        else:
+            self.proposed_trees.pop(req_ids[batch_index], None)
 
     def _lookup_drafts(self, owners: list[int], depth: int, num_tokens, token_ids) -> dict[int, list[int]]:
         """Prompt-lookup drafts (lookup.py) by position in owners, where the context has one."""
