@@ -1,5 +1,6 @@
 """The main job: SmolLM2-135M-Instruct in vLLM, alone and with the shipped heads (as a
-chain and as a tree), on a handful of prompts, with a small side-by-side table."""
+chain, as a tree, and as a chain with prompt lookup), on a handful of prompts, with a
+small side-by-side table."""
 from __future__ import annotations
 
 import tempfile
@@ -12,7 +13,7 @@ def run_demo(*, heads_dir: str, tree: str, num_heads: int, max_tree_nodes: int, 
              limit: int) -> int:
     from transformers import AutoTokenizer
 
-    from vllm_mtpspec.bench.methods import Method
+    from vllm_mtpspec.bench.methods import PROMPT_LOOKUP_MAX, Method
     from vllm_mtpspec.bench.report import summarize
     from vllm_mtpspec.bench.runner import engine_settings, run_benchmark
     from vllm_mtpspec.models import fetch_model
@@ -26,6 +27,8 @@ def run_demo(*, heads_dir: str, tree: str, num_heads: int, max_tree_nodes: int, 
         Method(f"mtpspec chain, {num_heads} heads", "mtpspec-chain", {**mtpspec, "tree": "chain"}),
         Method(f"mtpspec {tree} tree, up to {max_tree_nodes} nodes", "mtpspec-tree",
                {**mtpspec, "tree": tree, "max_tree_nodes": max_tree_nodes}),
+        Method("mtpspec chain + prompt lookup", "mtpspec-chain",
+               {**mtpspec, "tree": "chain", "prompt_lookup_max": PROMPT_LOOKUP_MAX}),
     ]
     print(f"model: {model}\nheads: {heads_dir}\nstarting {len(methods)} vLLM engines (CPU, fp32) ...")
     engine = engine_settings(1, 512, max_new_tokens, bytes_per_token=30 * 2 * 3 * 64 * 4)
