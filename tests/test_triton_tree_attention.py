@@ -1,9 +1,7 @@
 """The Triton tree-attention kernel against the PyTorch path, under TRITON_INTERPRET=1."""
-import os
-import subprocess
-import sys
-
 import pytest
+
+from tests.interpreter import run_under_triton_interpreter
 
 pytest.importorskip("triton")
 
@@ -70,7 +68,4 @@ print("triton-tree-ok")
 
 
 def test_triton_tree_attention_matches_the_pytorch_path_under_the_interpreter():
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    proc = subprocess.run([sys.executable, "-c", CHECK], env=env, capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "triton-tree-ok" in proc.stdout
+    run_under_triton_interpreter(CHECK, "triton-tree-ok")

@@ -12,18 +12,8 @@ from __future__ import annotations
 
 import torch
 
-try:
-    import triton
-    import triton.language as tl
-except ImportError:  # the kernel is optional: int2_matmul falls back to PyTorch
-    triton = None
-    tl = None
-
 from vllm_mtpspec.quant.int2 import Int2Weight
-
-
-def triton_available() -> bool:
-    return triton is not None
+from vllm_mtpspec.triton_support import tl, triton, triton_available  # noqa: F401 (re-exported)
 
 
 if triton is not None:

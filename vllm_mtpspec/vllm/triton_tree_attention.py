@@ -18,16 +18,7 @@ from __future__ import annotations
 
 import torch
 
-try:
-    import triton
-    import triton.language as tl
-except ImportError:  # no Triton: trees stay on the PyTorch path
-    triton = None
-    tl = None
-
-
-def triton_available() -> bool:
-    return triton is not None
+from vllm_mtpspec.triton_support import tl, triton
 
 
 if triton is not None:
