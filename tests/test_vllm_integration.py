@@ -145,6 +145,27 @@ def test_sampled_run_and_vllms_raw_custom_class_form(model_dir, heads_dir):
     assert stats["requests"] > 0, "sampled chains go through mtpspec's verifier"
 
 
+def sampled_outputs(model_dir, **kwargs):
+    from vllm import SamplingParams
+
+    llm = build(model_dir, seed=1234, **kwargs)
+    params = SamplingParams(temperature=0.8, max_tokens=MAX_TOKENS, ignore_eos=True)
+    outputs = [list(o.outputs[0].token_ids) for o in llm.generate(chat_prompts(llm), params, use_tqdm=False)]
+    metrics = spec_metrics(llm)
+    close(llm)
+    return outputs, metrics
+
+
+def test_sampled_steps_without_drafts_sample_as_vllm_alone(model_dir, heads_dir):
+    """No head is ever sure enough to draft: every step samples exactly as without
+    speculation (same engine seed, same tokens), not through the rejection sampler."""
+    alone, _ = sampled_outputs(model_dir)
+    silent, metrics = sampled_outputs(model_dir, speculative_config={
+        "method": "mtpspec", "model": str(heads_dir), "num_speculative_tokens": 2, "min_path_prob": 0.9999})
+    assert metrics.get("vllm:spec_decode_num_drafts", 0) == 0
+    assert silent == alone
+
+
 @pytest.mark.parametrize("spec,error", [
     ({"model": "/nonexistent/heads"}, "does not exist"),
     ({"num_speculative_tokens": 9}, "num_speculative_tokens=9 but the heads directory has only"),

@@ -220,6 +220,9 @@ def install_tree_hooks() -> None:
         _active_tree_step = None  # the forward pass is over
         step = getattr(self, "_mtpspec_tree_step", NO_TREES)
         self._mtpspec_tree_step = NO_TREES
+        if spec_decode_metadata is not None and _plain_sampling_suffices(spec_decode_metadata,
+                                                                         self.input_batch.sampling_metadata):
+            spec_decode_metadata = None
         if not step or spec_decode_metadata is None:
             return original_sample(self, logits, spec_decode_metadata, *args, **kwargs)
         target_logits = logits.clone()  # vLLM's sampler may work on logits in place
@@ -238,6 +241,19 @@ def install_tree_hooks() -> None:
     GPUModelRunner._sample = _sample
     CPUAttentionBackendImpl.forward = forward
     _installed.add("trees")
+
+
+def _plain_sampling_suffices(spec_decode_metadata, sampling_metadata) -> bool:
+    """A step in which no request carries drafts (the batch back-off stops drafting for
+    large batches) samples exactly as vLLM does without speculation. vLLM 0.32 would
+    still run its rejection sampler, which for sampled requests draws a full-vocabulary
+    random row per request whether or not anything is to be verified. Logprobs,
+    penalties and bad words keep vLLM's own path: their bookkeeping differs there."""
+    return (sum(spec_decode_metadata.num_draft_tokens) == 0
+            and sampling_metadata.max_num_logprobs is None
+            and not getattr(sampling_metadata, "logprob_token_ids", None)
+            and sampling_metadata.no_penalties
+            and not sampling_metadata.bad_words_token_ids)
 
 
 def _count(step, verdicts) -> None:
