@@ -15,9 +15,8 @@ from typing import Callable
 import numpy as np
 import torch
 
-from vllm_mtpspec.lookup import lookup_draft
-
 from vllm_mtpspec.heads import MTPHeads
+from vllm_mtpspec.lookup import lookup_draft
 from vllm_mtpspec.tree import TreeShape, build_static_shape
 
 TEMPERATURE_GRID = [0.25, 0.35, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0, 1.1, 1.25, 1.5, 1.75, 2.0, 2.5, 3.0]
