@@ -42,18 +42,19 @@ def run_demo(*, heads_dir: str, tree: str, num_heads: int, max_tree_nodes: int, 
     for prompt, output in zip(prompts, alone.outputs):
         print(f"\n--- [{prompt.category}] {prompt.text}\n{tokenizer.decode(output, skip_special_tokens=True).strip()}")
     print(f"\n{len(prompts)} prompts, greedy, batch size 1, up to {max_new_tokens} new tokens\n")
-    print(f"{'':<36} {'tok/s':>7} {'speed-up':>9} {'mean accepted':>14} {'identical output':>17}")
+    width = max(len(m.name) for m in methods) + 2
+    print(f"{'':<{width}} {'tok/s':>7} {'speed-up':>9} {'mean accepted':>14} {'identical output':>17}")
     ok = True
     for method in methods:
         label = "vLLM alone" if method.name == "none" else method.name
         row = rows.get(method.name)
         if row is None:
-            print(f"{label:<36} did not run: {method.unavailable}")
+            print(f"{label:<{width}} did not run: {method.unavailable}")
             ok = False
             continue
         identical = row["identical_greedy_output"]
         ok &= identical is not False
-        print(f"{label:<36} {row['tokens_per_s']:>7.1f} {_x(row['speedup']):>9} "
+        print(f"{label:<{width}} {row['tokens_per_s']:>7.1f} {_x(row['speedup']):>9} "
               f"{_f(row['mean_accepted_length']):>14} {('-' if identical is None else 'yes' if identical else 'NO'):>17}")
     return 0 if ok else 1
 
