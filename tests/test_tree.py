@@ -60,6 +60,8 @@ def test_chain_and_node_tokens():
     assert shape.node_tokens(topk).tolist() == [5, 7, 9]
     tree = tree_from_paths([(0,), (1,), (1, 1)])
     assert tree.node_tokens(topk).tolist() == [5, 6, 8]
+    assert shape.is_chain and TreeShape(()).is_chain
+    assert not tree.is_chain and not tree_from_paths([(0,), (1,)]).is_chain
 
 
 def test_consensus_tree_keeps_to_its_widths_and_budget():

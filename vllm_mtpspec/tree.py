@@ -64,6 +64,11 @@ class TreeShape:
         return tuple(index[p[:-1]] if len(p) > 1 else -1 for p in self.paths)
 
     @cached_property
+    def is_chain(self) -> bool:
+        """Every node hangs below the one before it (an empty shape counts too)."""
+        return all(parent == node - 1 for node, parent in enumerate(self.parents))
+
+    @cached_property
     def depths(self) -> tuple[int, ...]:
         """1 for children of the root: the node's position is context length + depth - 1
         counted from the root's position."""
@@ -277,10 +282,6 @@ class DraftTreeBuilder:
         self._pruned_shapes: dict[tuple, TreeShape] = {}
         self._cut_shapes: dict[tuple[int, int], TreeShape] = {}
 
-    @property
-    def is_chain(self) -> bool:
-        return self.static_shape is not None and self.static_shape.max_rank <= 1
-
     def build(self, probs: torch.Tensor, *, budget: int | None = None) -> list[tuple[TreeShape, list[int]]]:
         """probs [B, d, V], temperature-scaled (d may be fewer heads than the shape was
         built for) -> per row, the tree and its node tokens, breadth-first."""
@@ -290,7 +291,7 @@ class DraftTreeBuilder:
                                   min_path_prob=self.min_path_prob) for p in probs]
             return [(t.shape, t.tokens.tolist()) for t in trees]
         shape = self._cut_shape(probs.shape[1], budget)
-        if self.is_chain:
+        if shape.is_chain:
             return self._chains(probs[:, :len(shape)])
         top_p, top_ids = probs.topk(max(shape.max_rank, 1), dim=-1)          # [B, d, R]
         keep = path_probs(shape, top_p) >= self.min_path_prob               # [B, n]

@@ -47,7 +47,7 @@ class ScheduledTree:
     @cached_property
     def is_chain(self) -> bool:
         """Causal attention and sequential positions already serve it."""
-        return is_chain(self.shape)
+        return self.shape.is_chain
 
     @cached_property
     def attention_mask(self) -> torch.Tensor:
@@ -71,10 +71,6 @@ class TreeStep:
 NO_TREES = TreeStep(())
 
 
-def is_chain(shape: TreeShape) -> bool:
-    return all(parent == node - 1 for node, parent in enumerate(shape.parents))
-
-
 def schedule_trees(
     proposed: Mapping[str, ProposedTree],
     scheduled_drafts: Mapping[str, Sequence[int]],
@@ -91,7 +87,7 @@ def schedule_trees(
         if tree is None or n == 0 or n > len(tree.tokens) or tuple(drafts) != tree.tokens[:n]:
             continue
         shape = tree.shape.prefix(n)
-        if is_chain(shape) and req_id not in sampled_req_ids:
+        if shape.is_chain and req_id not in sampled_req_ids:
             continue
         trees.append(ScheduledTree(req_id_to_index[req_id], shape, tree.tokens[:n]))
     return TreeStep(tuple(sorted(trees, key=lambda t: t.batch_index)))
