@@ -62,9 +62,11 @@ def main() -> None:
     baseline, _ = run(model, prompts, args.max_tokens, None)
     results = []
     for tree in args.trees.split(","):
-        # No batch back-off: this measures what a tree accepts, not what a busy CPU affords.
+        # Full-size drafts every step: this measures what a tree accepts, not what a busy
+        # CPU affords (which the draft-size controller would weigh).
         spec = {"method": "mtpspec", "model": heads, "tree": tree, "max_tree_nodes": args.max_tree_nodes,
-                "min_path_prob": 0.0 if tree != "dynamic" else 0.02, "batch_backoff_start": ENGINE["max_num_seqs"]}
+                "min_path_prob": 0.0 if tree != "dynamic" else 0.02,
+                "adaptive_draft_size": False, "batch_backoff_start": ENGINE["max_num_seqs"]}
         outputs, c = run(model, prompts, args.max_tokens, spec)
         steps = c.get("vllm:spec_decode_num_drafts", 0)
         accepted = c.get("vllm:spec_decode_num_accepted_tokens", 0)

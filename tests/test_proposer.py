@@ -27,7 +27,9 @@ def make_proposer(tiny_model, tiny_model_dir, tmp_path):
     heads_dir = save_heads(heads, tmp_path / "heads")
 
     def make(max_drafts=3, **options):
-        options = {"heads": str(heads_dir), "min_path_prob": 0.0, "batch_backoff_start": 4, **options}
+        # The fixed back-off by default: these tests pin how much is drafted.
+        options = {"heads": str(heads_dir), "min_path_prob": 0.0, "adaptive_draft_size": False,
+                   "batch_backoff_start": 4, **options}
         config = SimpleNamespace(
             additional_config={"mtpspec": options},
             model_config=SimpleNamespace(model=str(tiny_model_dir), hf_text_config=tiny_model.config,
@@ -144,3 +146,41 @@ def test_prompt_lookup_replaces_the_heads_guess_where_the_context_repeats(make_p
                    lm_head=model.get_output_embeddings())
     assert drafts[1] == p.static_shape.node_tokens(logits.topk(5, dim=-1).indices).tolist()
     assert p.proposed_trees["b"].shape == p.static_shape
+
+
+class ScriptedSizes:
+    """Stands in for the draft-size controller: answers with set levels, keeps what it saw."""
+
+    def __init__(self, *levels):
+        self.levels, self.seen = list(levels), []
+
+    def next_level(self, batch_size, emitted, timed):
+        self.seen.append((batch_size, list(emitted), timed))
+        return self.levels.pop(0)
+
+
+def test_the_controllers_level_sets_the_chain_depth_and_the_tree_budget(make_proposer):
+    p, _, model = make_proposer(adaptive_draft_size=True, batch_backoff_start=None)
+    assert p.draft_sizes.max_level == 3  # chains of 0..3 tokens
+    p.draft_sizes = ScriptedSizes(2, 0)
+    p.capture_step(torch.randn(2, model.config.hidden_size), None, ["a", "b"], decode_only=True)
+    assert [len(d) for d in p.propose([[1], [2]])] == [2, 2]
+    # The next step: "a" accepted one draft, "c" is new (its prompt was prefilled).
+    p.capture_step(torch.randn(5, model.config.hidden_size), SimpleNamespace(num_draft_tokens=[2, 2, 0]),
+                   ["a", "b", "c"], decode_only=False)
+    assert p.propose([[5, 6], [7], [8]]) == [[], [], []]
+    assert p.draft_sizes.seen == [(2, [1, 1], True), (3, [2, 1], False)]
+
+    trees, _, model = make_proposer(max_drafts=8, tree="consensus", max_tree_nodes=8,
+                                    adaptive_draft_size=True, batch_backoff_start=None)
+    assert trees._tree_budgets == [1, 2, 4, 8] and trees.draft_sizes.max_level == 4
+    trees.draft_sizes = ScriptedSizes(2)
+    trees.capture_step(torch.randn(3, model.config.hidden_size), None, ["a", "b", "c"])
+    assert all(0 < len(d) <= 2 for d in trees.propose([[1], [2], [3]]))
+
+
+def test_the_fixed_back_off_must_be_asked_for_with_adaptive_sizes_off(make_proposer):
+    from vllm_mtpspec.config import ConfigError
+
+    with pytest.raises(ConfigError, match="adaptive_draft_size=false"):
+        make_proposer(adaptive_draft_size=True, batch_backoff_start=8)

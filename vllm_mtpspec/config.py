@@ -114,10 +114,11 @@ class SpecOptions:
     dynamic_top_k: int = 4                # candidates per head considered by dynamic trees
     min_path_prob: float = 0.02           # adaptive depth: stop growing below this
     head_rank_accuracy: list[list[float]] | None = None  # static trees: acc[depth][rank]
-    # Per-batch adaptivity: above this many running requests draft one token fewer (and
-    # half the tree nodes) per doubling, because verification stops being free once the
-    # step is compute bound. None: 4 on CPUs, where even a few extra tokens cost (see
-    # benchmarks/RESULTS.md), 16 elsewhere.
+    # How much to draft per step: learned from measured tokens per second per batch size
+    # (adaptive.py), or, with adaptive_draft_size off, a fixed back-off: above
+    # batch_backoff_start running requests draft one token fewer (and half the tree
+    # nodes) per doubling. batch_backoff_start None: 4 on CPUs, 16 elsewhere.
+    adaptive_draft_size: bool = True
     batch_backoff_start: int | None = None
     # Prompt lookup (lookup.py): where the context's last prompt_lookup_min..max tokens
     # occurred before, draft what followed them instead of the heads' guesses. 0: off.
@@ -133,6 +134,11 @@ class SpecOptions:
             raise ConfigError(f"max_tree_nodes={self.max_tree_nodes}: must be >= 1")
         if self.batch_backoff_start is not None and self.batch_backoff_start < 1:
             raise ConfigError(f"batch_backoff_start={self.batch_backoff_start}: must be >= 1")
+        if not isinstance(self.adaptive_draft_size, bool):
+            raise ConfigError(f"adaptive_draft_size={self.adaptive_draft_size!r}: must be true or false")
+        if self.batch_backoff_start is not None and self.adaptive_draft_size:
+            raise ConfigError(f"batch_backoff_start={self.batch_backoff_start} sets the fixed back-off, which "
+                              "adaptive_draft_size replaces; also give adaptive_draft_size=false to use it")
         if not 0.0 <= self.min_path_prob < 1.0:
             raise ConfigError(f"min_path_prob={self.min_path_prob}: must lie in [0, 1)")
         if self.prompt_lookup_max < 0 or self.prompt_lookup_max and not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:

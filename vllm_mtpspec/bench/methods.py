@@ -5,11 +5,13 @@
 - suffix: vLLM's suffix decoding (needs the arctic-inference package).
 - draft: vLLM's draft-model method with a truncated copy of the target (draft_model.py).
 - mtpspec-chain / mtpspec-tree: our heads, as top-1 chains or verified as trees; one
-  variant per number of heads, per quantization and with or without prompt lookup.
+  variant per number of heads, per quantization, with or without prompt lookup, and with
+  the draft size learned (adaptive, the default) or from the fixed batch back-off.
 """
 from __future__ import annotations
 
 import importlib.util
+import itertools
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -28,7 +30,8 @@ class Method:
 
 def build_methods(names: list[str], *, model_dir: str, heads_dir: str, num_heads: list[int], quants: list[str],
                   tree: str, work_dir: Path, max_tree_nodes: int = 8, num_spec_tokens: int = 3,
-                  draft_layers: int = 6, lookups: list[bool] = (False,)) -> list[Method]:
+                  draft_layers: int = 6, lookups: list[bool] = (False,),
+                  draft_sizes: list[str] = ("adaptive",)) -> list[Method]:
     unknown = [n for n in names if n not in KNOWN_METHODS]
     if unknown:
         raise ValueError(f"--methods: unknown {unknown}; choose from {', '.join(KNOWN_METHODS)}")
@@ -56,7 +59,7 @@ def build_methods(names: list[str], *, model_dir: str, heads_dir: str, num_heads
             for quant in quants:
                 heads = heads_dir if quant == "fp" else str(_int2_heads(heads_dir, work_dir))
                 for k in num_heads:
-                    for lookup in lookups:
+                    for lookup, draft_size in itertools.product(lookups, draft_sizes):
                         config = {"method": "mtpspec", "model": heads, "num_speculative_tokens": k,
                                   "tree": method_tree}
                         label = f"mtpspec-chain k={k}"
@@ -66,6 +69,9 @@ def build_methods(names: list[str], *, model_dir: str, heads_dir: str, num_heads
                         if lookup:
                             config["prompt_lookup_max"] = PROMPT_LOOKUP_MAX
                             label += " +lookup"
+                        if draft_size == "fixed":
+                            config["adaptive_draft_size"] = False  # the fixed batch back-off
+                            label += " fixed-size"
                         methods.append(Method(label + ("" if quant == "fp" else " int2"), name, config))
     return methods
 

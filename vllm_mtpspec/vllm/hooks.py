@@ -129,11 +129,21 @@ def install_hidden_state_hook() -> None:
                 req_ids,
                 tree_rows=getattr(self, "_mtpspec_tree_rows", None),
                 tree_blockers=blockers,
+                decode_only=_decode_only(bound.arguments.get("scheduler_output")),
             )
         return original(self, *args, **kwargs)
 
     GPUModelRunner.propose_draft_token_ids = propose_draft_token_ids
     _installed.add("hidden_states")
+
+
+def _decode_only(scheduler_output) -> bool:
+    """Whether every request in the step decoded (its token plus its drafts): no prompt,
+    or chunk of one, was prefilled alongside."""
+    if scheduler_output is None:
+        return False
+    spec = scheduler_output.scheduled_spec_decode_tokens or {}
+    return all(n == 1 + len(spec.get(r, ())) for r, n in scheduler_output.num_scheduled_tokens.items())
 
 
 def _tree_blocker_for(runner, req_id: str) -> str | None:

@@ -15,16 +15,20 @@ Drafts are the heads' candidates:
 - prompt lookup (lookup.py, when prompt_lookup_max is set): where the context's last
   tokens occurred before, what followed them is the request's draft, as a chain, and
   the heads are not run for it.
-Depth and tree size shrink for large batches, where verifying extra tokens stops being
-free (sooner on CPUs).
+How much to draft (chain depth, tree size) is chosen per step by the draft-size
+controller (adaptive.py) from measured tokens per second, so drafting backs off where
+verifying extra tokens stops being free; with `adaptive_draft_size` off, a fixed rule
+drafts less for large batches instead.
 """
 from __future__ import annotations
 
 import logging
 import math
+import time
 
 import torch
 
+from vllm_mtpspec.adaptive import DraftSizeController
 from vllm_mtpspec.checkpoint import load_heads
 from vllm_mtpspec.lookup import lookup_draft
 from vllm_mtpspec.tree import DraftTreeBuilder, TreeShape, chain_tree
@@ -76,6 +80,18 @@ class MTPSpecProposer:
         self._req_ids: list[str] | None = None
         self._tree_rows: dict[int, int] = {}
         self._tree_blockers: list[str | None] | None = None
+        self._step_was_decode_only = False
+        # Draft sizes the controller chooses between: level 0 drafts nothing; chains grow
+        # one token per level, trees double their node budget per level.
+        self._tree_budgets = self._budget_ladder() if self.uses_trees else []
+        self.draft_sizes = (DraftSizeController(len(self._tree_budgets) if self.uses_trees else self.depth)
+                            if self.options.adaptive_draft_size else None)
+        self._drafted_batch: set[str] | None = None  # requests of the last drafted step
+        self._last_size_log = time.monotonic()
+
+    def _budget_ladder(self) -> list[int]:
+        largest = min(self.options.max_tree_nodes, self.max_drafts)
+        return sorted({max(largest >> j, 1) for j in range(largest.bit_length())})
 
     def load_model(self, target_model) -> None:
         self.heads = load_heads(self.options.heads, device=self.device, dtype=self.dtype)
@@ -101,9 +117,12 @@ class MTPSpecProposer:
         return None if self._tree_builder is None else self._tree_builder.static_shape
 
     def capture_step(self, sample_hidden_states: torch.Tensor, spec_decode_metadata, req_ids=None,
-                     tree_rows: dict[int, int] | None = None, tree_blockers: list[str | None] | None = None) -> None:
+                     tree_rows: dict[int, int] | None = None, tree_blockers: list[str | None] | None = None,
+                     decode_only: bool = False) -> None:
         """tree_rows: for requests verified as trees, the row (within the request) of the
-        last accepted node. tree_blockers: per request, why it must get a chain (or None)."""
+        last accepted node. tree_blockers: per request, why it must get a chain (or None).
+        decode_only: the step prefilled no prompt (so its time says what drafting cost)."""
+        self._step_was_decode_only = decode_only
         self._sample_hidden_states = sample_hidden_states
         self._num_draft_tokens = None if spec_decode_metadata is None else list(spec_decode_metadata.num_draft_tokens)
         self._req_ids = req_ids
@@ -122,6 +141,32 @@ class MTPSpecProposer:
         """Half the tree nodes per doubling of the batch past batch_backoff_start."""
         return max(min(self.options.max_tree_nodes, self.max_drafts) >> self._doublings_past_backoff(num_requests), 1)
 
+    def _draft_size(self, sampled_token_ids, req_ids) -> tuple[int, int]:
+        """(chain depth, tree node budget) for this step."""
+        num_requests = len(sampled_token_ids)
+        if self.draft_sizes is None:
+            return self.depth_for_batch(num_requests), self.tree_budget_for_batch(num_requests)
+        drafted = self._drafted_batch
+        self._drafted_batch = None if req_ids is None else set(req_ids)
+        emitted = [len(tokens) for i, tokens in enumerate(sampled_token_ids)
+                   if drafted is None or req_ids is None or req_ids[i] in drafted]
+        level = self.draft_sizes.next_level(num_requests, emitted, timed=self._step_was_decode_only)
+        self._log_draft_sizes(num_requests, level)
+        if not self.uses_trees:
+            return level, 0
+        return (self.depth, self._tree_budgets[level - 1]) if level else (0, 0)
+
+    def _log_draft_sizes(self, num_requests: int, level: int) -> None:
+        if time.monotonic() - self._last_size_log < 60:
+            return
+        self._last_size_log = time.monotonic()
+        rates = self.draft_sizes.tokens_per_second(num_requests)
+        unit = "tree nodes" if self.uses_trees else "draft tokens"
+        sizes = [0] + (self._tree_budgets if self.uses_trees else list(range(1, self.depth + 1)))
+        measured = ", ".join(f"{sizes[lv]}: {rate:.1f}" for lv, rate in sorted(rates.items())) or "none yet"
+        logger.info("mtpspec: %d running requests: drafting %d %s; measured tokens/s by draft size: %s",
+                    num_requests, sizes[level], unit, measured)
+
     @torch.inference_mode()
     def propose(self, sampled_token_ids, num_tokens_no_spec=None, token_ids_cpu=None, slot_mappings=None, **_) -> list[list[int]]:
         hidden_all = self._sample_hidden_states
@@ -131,7 +176,7 @@ class MTPSpecProposer:
         if req_ids is not None:
             live = set(req_ids)
             self.proposed_trees = {r: t for r, t in self.proposed_trees.items() if r in live}
-        depth = self.depth_for_batch(len(sampled_token_ids))
+        depth, budget = self._draft_size(sampled_token_ids, req_ids)
         if hidden_all is None or depth == 0:
             return drafts
         pairs = last_sampled_rows(sampled_token_ids, self._num_draft_tokens, hidden_all.shape[0], self._tree_rows)
@@ -152,7 +197,6 @@ class MTPSpecProposer:
         chain_rows = [n for n in range(len(head_owners)) if n not in on_tree]
         for n, (shape, tokens) in zip(chain_rows, self._chain_builder.build(probs[chain_rows]) if chain_rows else []):
             self._send_chain(owners[head_owners[n]], shape, tokens, drafts, req_ids)
-        budget = self.tree_budget_for_batch(len(sampled_token_ids))
         trees = self._tree_builder.build(probs[tree_rows], budget=budget) if tree_rows else []
         for n, (shape, tokens) in zip(tree_rows, trees):
             i = owners[head_owners[n]]

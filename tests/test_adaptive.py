@@ -1,0 +1,135 @@
+"""The draft-size controller against simulated machines: a step's cost and a level's
+acceptance are known to the simulation, the controller only sees clocks and tokens."""
+import random
+
+import pytest
+
+from vllm_mtpspec.adaptive import DecayingMean, DraftSizeController
+
+
+class FakeClock:
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self):
+        return self.now
+
+
+def simulate(step_seconds, tokens_per_request, *, batch_size, steps=400, max_level=3, seed=0, noise=0.05):
+    """Runs the controller; returns how often each level was chosen over the last half,
+    and the tokens per second it reached there as a share of the best fixed level's.
+
+    step_seconds(batch_size, level) and tokens_per_request(level) describe the machine and
+    the text; each step's time gets multiplicative noise, each request's tokens are drawn
+    around the level's mean."""
+    rng = random.Random(seed)
+    clock = FakeClock()
+    controller = DraftSizeController(max_level, clock=clock)
+    chosen = [0] * (max_level + 1)
+    emitted: list[int] = []
+    tokens, seconds = 0, 0.0
+    for step in range(steps):
+        level = controller.next_level(batch_size, emitted, timed=True)
+        mean = tokens_per_request(level)
+        emitted = [1 + sum(rng.random() < (mean - 1) / max(level, 1) for _ in range(level))
+                   for _ in range(batch_size)]
+        elapsed = step_seconds(batch_size, level) * (1 + rng.uniform(-noise, noise))
+        clock.now += elapsed
+        if step >= steps // 2:
+            chosen[level] += 1
+            tokens, seconds = tokens + sum(emitted), seconds + elapsed
+    best = max(batch_size * tokens_per_request(lv) / step_seconds(batch_size, lv) for lv in range(max_level + 1))
+    return chosen, tokens / seconds / best
+
+
+def accepted_length(level):
+    # heads like the shipped ones: each further head adds less
+    return 1.0 + [0.0, 0.4, 0.55, 0.62][level]
+
+
+def test_free_verification_drafts_the_most():
+    """A GPU-like machine at batch 1: verifying 4 tokens costs about what 1 does."""
+    chosen, share = simulate(lambda b, level: 0.010 * (1 + 0.01 * level), accepted_length, batch_size=1)
+    assert max(range(4), key=chosen.__getitem__) == 3
+    assert share > 0.95
+
+
+def test_compute_bound_batches_stop_drafting():
+    """Each extra token costs as much as the batch's own: drafting only loses."""
+    chosen, share = simulate(lambda b, level: 0.001 * b * (1 + level), accepted_length, batch_size=64)
+    assert chosen[0] > 0.8 * sum(chosen)
+    assert share > 0.95
+
+
+def test_the_best_middle_level_wins_where_costs_grow():
+    """Costs that grow with the draft (a CPU at a small batch): one draft token pays,
+    three do not (tokens per second: level 0: 1.0, 1: 1.17, 2: 1.11, 3: 0.93)."""
+    chosen, share = simulate(lambda b, level: 0.1 * (1 + 0.2 * level + 0.1 * level * level), accepted_length,
+                             batch_size=4)
+    assert max(range(4), key=chosen.__getitem__) == 1
+    assert share > 0.95
+
+
+def test_batch_sizes_are_measured_apart():
+    clock = FakeClock()
+    controller = DraftSizeController(1, clock=clock)
+    emitted = []
+    for step in range(200):
+        batch = 1 if step % 2 else 64
+        level = controller.next_level(batch, emitted, timed=True)
+        emitted = [1 + level] * batch  # every draft accepted
+        clock.now += (0.01 if batch == 1 else 0.64 * (1 + 2 * level))  # drafting triples a batch-64 step
+    assert controller.next_level(1, [], timed=False) == 1
+    clock.now += 1
+    assert controller.next_level(64, [], timed=False) == 0
+
+
+def test_untimed_steps_and_stalls_leave_the_step_times_alone():
+    clock = FakeClock()
+    controller = DraftSizeController(1, clock=clock, min_samples=1)
+    controller.next_level(1, [], timed=True)          # level 0 pending
+    clock.now += 0.1
+    controller.next_level(1, [1], timed=True)         # times level 0; level 1 pending
+    clock.now += 0.1
+    controller.next_level(1, [2], timed=True)         # times level 1
+    before = controller.tokens_per_second(1)
+    assert before == pytest.approx({0: 10.0, 1: 20.0})
+    level = controller.next_level(1, [], timed=True)
+    clock.now += 5.0                                  # a prefill (untimed)
+    controller.next_level(1, [1 + level], timed=False)
+    clock.now += 50.0                                 # a stall, far beyond the usual
+    controller.next_level(1, [1 + level], timed=True)
+    after = controller.tokens_per_second(1)
+    assert after == pytest.approx(before, rel=0.01)
+
+
+def test_exploration_revisits_a_neighbour_of_the_best():
+    clock = FakeClock()
+    controller = DraftSizeController(3, clock=clock, explore_every=4)
+    levels, emitted = [], []
+    for _ in range(100):
+        level = controller.next_level(1, emitted, timed=True)
+        levels.append(level)
+        emitted = [1 + level]  # every draft accepted, steps cost the same: level 3 is best
+        clock.now += 0.1
+    tail = levels[50:]
+    assert tail.count(3) >= 0.7 * len(tail)
+    assert 2 in tail, "the level below the best is timed again now and then"
+
+
+def test_decaying_mean_starts_at_the_first_sample_and_forgets_later():
+    mean = DecayingMean(0.5)
+    for x in (2.0, 4.0):
+        mean.add(x)
+    assert mean.value == pytest.approx((2.0 * 0.5 + 4.0) / 1.5)
+    for _ in range(30):
+        mean.add(10.0)
+    assert mean.value == pytest.approx(10.0, abs=1e-6)
+
+
+def test_nothing_to_choose_from_and_empty_batches():
+    controller = DraftSizeController(0, clock=FakeClock())
+    assert all(controller.next_level(8, [1] * 8, timed=True) == 0 for _ in range(20))
+    assert DraftSizeController(2, clock=FakeClock()).next_level(0, [], timed=True) == 0
+    with pytest.raises(ValueError, match="max_level"):
+        DraftSizeController(-1)
