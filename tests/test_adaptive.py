@@ -15,57 +15,65 @@ class FakeClock:
         return self.now
 
 
-def simulate(step_seconds, tokens_per_request, *, batch_size, steps=400, max_level=3, seed=0, noise=0.05):
-    """Runs the controller; returns how often each level was chosen over the last half,
-    and the tokens per second it reached there as a share of the best fixed level's.
+# Heads like the shipped ones: the chance that draft j is accepted once drafts 1..j-1 were.
+ACCEPT = [0.4, 0.375, 0.45]
 
-    step_seconds(batch_size, level) and tokens_per_request(level) describe the machine and
-    the text; each step's time gets multiplicative noise, each request's tokens are drawn
-    around the level's mean."""
+
+def accepted_length(level):
+    """Mean tokens a request emits per step with a chain of `level` drafts."""
+    total, reach = 1.0, 1.0
+    for p in ACCEPT[:level]:
+        reach *= p
+        total += reach
+    return total
+
+
+def simulate(step_seconds, *, batch_size, steps=400, max_level=3, seed=0, noise=0.05):
+    """Runs the controller on chains; returns how often each level was chosen over the
+    last half, and the tokens per second it reached there as a share of the best fixed
+    level's. step_seconds(batch_size, level) describes the machine; each step's time gets
+    multiplicative noise, each request's accepted drafts are drawn draft by draft."""
     rng = random.Random(seed)
     clock = FakeClock()
-    controller = DraftSizeController(max_level, clock=clock)
+    controller = DraftSizeController(max_level, nested=True, clock=clock)
     chosen = [0] * (max_level + 1)
     emitted: list[int] = []
     tokens, seconds = 0, 0.0
     for step in range(steps):
         level = controller.next_level(batch_size, emitted, timed=True)
-        mean = tokens_per_request(level)
-        emitted = [1 + sum(rng.random() < (mean - 1) / max(level, 1) for _ in range(level))
-                   for _ in range(batch_size)]
+        emitted = []
+        for _ in range(batch_size):
+            accepted = 0
+            while accepted < level and rng.random() < ACCEPT[accepted]:
+                accepted += 1
+            emitted.append(1 + accepted)
         elapsed = step_seconds(batch_size, level) * (1 + rng.uniform(-noise, noise))
         clock.now += elapsed
         if step >= steps // 2:
             chosen[level] += 1
             tokens, seconds = tokens + sum(emitted), seconds + elapsed
-    best = max(batch_size * tokens_per_request(lv) / step_seconds(batch_size, lv) for lv in range(max_level + 1))
+    best = max(batch_size * accepted_length(lv) / step_seconds(batch_size, lv) for lv in range(max_level + 1))
     return chosen, tokens / seconds / best
-
-
-def accepted_length(level):
-    # heads like the shipped ones: each further head adds less
-    return 1.0 + [0.0, 0.4, 0.55, 0.62][level]
 
 
 def test_free_verification_drafts_the_most():
     """A GPU-like machine at batch 1: verifying 4 tokens costs about what 1 does."""
-    chosen, share = simulate(lambda b, level: 0.010 * (1 + 0.01 * level), accepted_length, batch_size=1)
+    chosen, share = simulate(lambda b, level: 0.010 * (1 + 0.01 * level), batch_size=1)
     assert max(range(4), key=chosen.__getitem__) == 3
     assert share > 0.95
 
 
 def test_compute_bound_batches_stop_drafting():
     """Each extra token costs as much as the batch's own: drafting only loses."""
-    chosen, share = simulate(lambda b, level: 0.001 * b * (1 + level), accepted_length, batch_size=64)
+    chosen, share = simulate(lambda b, level: 0.001 * b * (1 + level), batch_size=64)
     assert chosen[0] > 0.8 * sum(chosen)
     assert share > 0.95
 
 
 def test_the_best_middle_level_wins_where_costs_grow():
     """Costs that grow with the draft (a CPU at a small batch): one draft token pays,
-    three do not (tokens per second: level 0: 1.0, 1: 1.17, 2: 1.11, 3: 0.93)."""
-    chosen, share = simulate(lambda b, level: 0.1 * (1 + 0.2 * level + 0.1 * level * level), accepted_length,
-                             batch_size=4)
+    three do not (tokens per second: level 0: 1.0, 1: 1.17, 2: 1.11, 3: 0.92)."""
+    chosen, share = simulate(lambda b, level: 0.1 * (1 + 0.2 * level + 0.1 * level * level), batch_size=4)
     assert max(range(4), key=chosen.__getitem__) == 1
     assert share > 0.95
 
@@ -114,7 +122,24 @@ def test_exploration_revisits_a_neighbour_of_the_best():
         clock.now += 0.1
     tail = levels[50:]
     assert tail.count(3) >= 0.7 * len(tail)
-    assert 2 in tail, "the level below the best is timed again now and then"
+    assert set(tail) == {2, 3}, "the level below the best is timed again now and then, the far ones not"
+
+
+def test_a_long_chain_says_what_the_shorter_ones_would_have_emitted():
+    def after_a_level_3_step(nested):
+        clock = FakeClock()
+        controller = DraftSizeController(3, nested=nested, clock=clock, min_samples=1)
+        for level in range(4):  # untimed levels are tried in order; nothing accepted yet
+            assert controller.next_level(3, [1, 1, 1], timed=True) == level
+            clock.now += 0.1
+        controller.next_level(3, [4, 1, 2], timed=True)  # what the level-3 step emitted
+        return controller
+
+    nested = after_a_level_3_step(nested=True)
+    assert nested.expected_tokens(3) == pytest.approx(7 / 3)
+    # Level 2 would have emitted 3, 1, 2 in that step; before it, 1, 1, 1 at level 2.
+    assert nested.expected_tokens(2) == pytest.approx(1.5, rel=0.01)
+    assert after_a_level_3_step(nested=False).expected_tokens(2) == 1.0
 
 
 def test_decaying_mean_starts_at_the_first_sample_and_forgets_later():

@@ -275,12 +275,13 @@ def test_prompt_lookup_drafts_keep_greedy_output_unchanged(model_dir, heads_dir,
     assert stats["requests"] > 0
 
 
-def test_tree_survives_preemption(model_dir, heads_dir, baseline):
+@pytest.mark.parametrize("tree", ["consensus", "dynamic"])
+def test_tree_survives_preemption(model_dir, heads_dir, baseline, tree):
     small = {**ENGINE, "max_model_len": 256, "kv_cache_memory_bytes": 16 << 20, "block_size": 32}
     from vllm import LLM
 
     llm = LLM(str(model_dir), **small,
-              speculative_config={"method": "mtpspec", "model": str(heads_dir), "tree": "consensus", **FIXED_SIZE})
+              speculative_config={"method": "mtpspec", "model": str(heads_dir), "tree": tree, **FIXED_SIZE})
     outputs, stats = tree_stats_delta(lambda: greedy(llm))
     preemptions = sum(m.value for m in llm.get_metrics() if m.name == "vllm:num_preemptions")
     close(llm)

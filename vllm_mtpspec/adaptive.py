@@ -9,15 +9,19 @@ draft longer chains (or larger trees). For every level it keeps
 
 - the tokens a request emits in a step drafted at that level (accepted drafts plus the
   target's own token), pooled over batch sizes: acceptance depends on the text, not on
-  the batch;
+  the batch. Where levels are nested (a chain of j tokens is the first j tokens of a
+  longer one), one step at level L also says what every level below L would have
+  emitted, so the longest chains teach all the shorter ones;
 - the wall time of such a step, per batch-size bucket (powers of two), measured from
   one draft proposal to the next, so it holds drafting, verification, sampling and
   vLLM's own per-step work. Steps that also prefilled a prompt are not timed.
 
-Each step it takes the level with the most tokens per second for the current batch.
-Levels not yet timed in a bucket are tried first (a couple of steps each), and every
-`explore_every` steps a neighbour of the best level is tried again, so the figures
-follow the machine's load and the text. Which level is chosen never changes what is
+Each step it takes the level with the most tokens per second for the current batch,
+but leaves the level it is on only for one measured to be `switch_margin` better: step
+times on a shared machine are noisy, and flapping between two near-equal levels costs
+more than either. Levels not yet timed in a bucket are tried first (a few steps each),
+and every `explore_every` steps a neighbour of the best level is timed again, so the
+figures follow the machine's load and the text. Which level is chosen never changes what is
 generated: verification is lossless at every level.
 """
 from __future__ import annotations
@@ -45,14 +49,16 @@ class DecayingMean:
 class DraftSizeController:
     """Chooses a level in 0..max_level per step from measured tokens per second."""
 
-    def __init__(self, max_level: int, *, explore_every: int = 16, min_samples: int = 2,
-                 time_decay: float = 0.8, token_decay: float = 0.995,
+    def __init__(self, max_level: int, *, nested: bool = False, explore_every: int = 16, min_samples: int = 3,
+                 switch_margin: float = 0.03, time_decay: float = 0.9, token_decay: float = 0.995,
                  clock: Callable[[], float] = time.perf_counter) -> None:
         if max_level < 0:
             raise ValueError(f"max_level={max_level}: must be >= 0")
         self.max_level = max_level
+        self.nested = nested
         self.explore_every = explore_every
         self.min_samples = min_samples
+        self.switch_margin = switch_margin
         self._clock = clock
         self._time_decay = time_decay
         # Tokens per request, pooled over batch sizes; level 0 always emits exactly one.
@@ -60,6 +66,7 @@ class DraftSizeController:
         self._seconds: dict[int, list[DecayingMean]] = {}  # bucket -> per level
         self._steps: dict[int, int] = {}  # bucket -> steps chosen there
         self._explored: dict[int, int] = {}  # bucket -> explorations made there
+        self._current: dict[int, int] = {}  # bucket -> the level it is on
         self._pending: tuple[float, int, int] | None = None  # (started, bucket, level)
 
     def next_level(self, batch_size: int, emitted: Sequence[int], timed: bool) -> int:
@@ -92,8 +99,10 @@ class DraftSizeController:
         self._pending = None
         if not emitted:
             return
-        if level > 0:
-            self._tokens[level].add(sum(emitted) / len(emitted), weight=len(emitted))
+        for lower in range(1 if self.nested else level, level + 1):
+            if lower > 0:  # at `lower`, a request emits at most lower + 1 tokens
+                capped = sum(min(e, lower + 1) for e in emitted)
+                self._tokens[lower].add(capped / len(emitted), weight=len(emitted))
         if timed:
             seconds = self._bucket(bucket)[level]
             elapsed = now - started
@@ -107,6 +116,10 @@ class DraftSizeController:
             self._seconds[bucket] = [DecayingMean(self._time_decay) for _ in range(self.max_level + 1)]
         return self._seconds[bucket]
 
+    def expected_tokens(self, level: int) -> float:
+        """Tokens a request emits per step at this level, as measured (1.0 before any)."""
+        return self._expected_tokens(level)
+
     def _expected_tokens(self, level: int) -> float:
         mean = self._tokens[level]
         return mean.value if level > 0 and mean.samples else 1.0
@@ -118,9 +131,14 @@ class DraftSizeController:
                 return level
         rates = [self._expected_tokens(level) / max(s.value, 1e-9) for level, s in enumerate(seconds)]
         best = max(range(len(rates)), key=rates.__getitem__)
+        current = self._current.get(bucket, best)
+        if rates[best] <= rates[current] * (1 + self.switch_margin):
+            best = current
+        self._current[bucket] = best
         self._steps[bucket] = self._steps.get(bucket, 0) + 1
         if self.max_level and self._steps[bucket] % self.explore_every == 0:
-            # Alternate below and above the best, staying in range.
+            # A neighbour, below and above in turn: cheap (far levels are the costly
+            # ones to try) and enough to climb to a better level step by step.
             self._explored[bucket] = self._explored.get(bucket, 0) + 1
             step = -1 if self._explored[bucket] % 2 else 1
             neighbour = best + step

@@ -84,7 +84,9 @@ class MTPSpecProposer:
         # Draft sizes the controller chooses between: level 0 drafts nothing; chains grow
         # one token per level, trees double their node budget per level.
         self._tree_budgets = self._budget_ladder() if self.uses_trees else []
-        self.draft_sizes = (DraftSizeController(len(self._tree_budgets) if self.uses_trees else self.depth)
+        # A chain of j tokens is the start of a longer one (lookup drafts too): nested levels.
+        self.draft_sizes = (DraftSizeController(len(self._tree_budgets) if self.uses_trees else self.depth,
+                                                nested=not self.uses_trees)
                             if self.options.adaptive_draft_size else None)
         self._drafted_batch: set[str] | None = None  # requests of the last drafted step
         self._last_size_log = time.monotonic()
