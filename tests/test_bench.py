@@ -126,15 +126,15 @@ def test_draft_size_variants_learned_and_fixed(tmp_path):
     from vllm_mtpspec.config import SpecOptions
 
     methods = build_methods(["mtpspec-chain"], model_dir="m", heads_dir="h", num_heads=[3], quants=["fp"],
-                            tree="consensus", work_dir=tmp_path, draft_sizes=["adaptive", "fixed"])
-    assert [m.name for m in methods] == ["mtpspec-chain k=3", "mtpspec-chain k=3 fixed-size"]
+                            tree="consensus", work_dir=tmp_path, draft_sizes=["fixed", "adaptive"])
+    assert [m.name for m in methods] == ["mtpspec-chain k=3", "mtpspec-chain k=3 adaptive-size"]
     options = [SpecOptions.from_dict({k: v for k, v in m.speculative_config.items() if k not in ("method", "model")})
                for m in methods]
-    assert [o.adaptive_draft_size for o in options] == [True, False]
+    assert [o.adaptive_draft_size for o in options] == [False, True]
 
 
 def test_an_unknown_draft_size_is_named(capsys):
     from vllm_mtpspec.bench.command import _choices
 
-    with pytest.raises(SystemExit, match="--draft-size: 'learned': choose from adaptive, fixed"):
-        _choices("learned", ("adaptive", "fixed"), "--draft-size")
+    with pytest.raises(SystemExit, match="--draft-size: 'learned': choose from fixed, adaptive"):
+        _choices("learned", ("fixed", "adaptive"), "--draft-size")

@@ -179,7 +179,7 @@ def test_the_controllers_level_sets_the_chain_depth_and_the_tree_budget(make_pro
     assert all(0 < len(d) <= 2 for d in trees.propose([[1], [2], [3]]))
 
 
-def test_the_fixed_back_off_must_be_asked_for_with_adaptive_sizes_off(make_proposer):
+def test_the_fixed_back_off_and_learned_sizes_are_not_asked_for_together(make_proposer):
     from vllm_mtpspec.config import ConfigError
 
     with pytest.raises(ConfigError, match="adaptive_draft_size=false"):

@@ -120,13 +120,14 @@ def test_untied_int2_heads_load_and_stay_lossless(model_dir, untied_int2_heads_d
 @pytest.mark.parametrize("which", ["fp", "int2"])
 def test_greedy_output_is_unchanged_and_drafts_are_accepted(model_dir, heads_dir, int2_heads_dir, baseline, which):
     heads = heads_dir if which == "fp" else int2_heads_dir
-    llm = build(model_dir, speculative_config={"method": "mtpspec", "model": str(heads), "num_speculative_tokens": 3})
+    llm = build(model_dir, speculative_config={"method": "mtpspec", "model": str(heads), "num_speculative_tokens": 3,
+                                               "adaptive_draft_size": True})
     outputs = greedy(llm)
     metrics = spec_metrics(llm)
     measured = llm.collective_rpc(measured_draft_sizes)[0]
     close(llm)
-    # The draft-size controller (on by default) timed every chain length, 0..3, for the
-    # batch sizes it met once prompts were prefilled.
+    # The draft-size controller timed every chain length, 0..3, for the batch sizes it
+    # met once prompts were prefilled.
     assert any(sorted(rates) == [0, 1, 2, 3] for rates in measured.values()), measured
     assert [len(o) for o in outputs] == [len(b) for b in baseline]
     assert outputs == baseline

@@ -114,11 +114,13 @@ class SpecOptions:
     dynamic_top_k: int = 4                # candidates per head considered by dynamic trees
     min_path_prob: float = 0.02           # adaptive depth: stop growing below this
     head_rank_accuracy: list[list[float]] | None = None  # static trees: acc[depth][rank]
-    # How much to draft per step: learned from measured tokens per second per batch size
-    # (adaptive.py), or, with adaptive_draft_size off, a fixed back-off: above
-    # batch_backoff_start running requests draft one token fewer (and half the tree
-    # nodes) per doubling. batch_backoff_start None: 4 on CPUs, 16 elsewhere.
-    adaptive_draft_size: bool = True
+    # How much to draft per step: by default a fixed back-off, above batch_backoff_start
+    # running requests one token fewer (and half the tree nodes) per doubling
+    # (batch_backoff_start None: 4 on CPUs, 16 elsewhere); with adaptive_draft_size, learned
+    # from measured tokens per second per batch size (adaptive.py). Off by default: in
+    # short runs its exploration still costs more than it finds at batch 16-64
+    # (benchmarks/RESULTS.md).
+    adaptive_draft_size: bool = False
     batch_backoff_start: int | None = None
     # Prompt lookup (lookup.py): where the context's last prompt_lookup_min..max tokens
     # occurred before, draft what followed them instead of the heads' guesses. 0: off.
@@ -138,7 +140,8 @@ class SpecOptions:
             raise ConfigError(f"adaptive_draft_size={self.adaptive_draft_size!r}: must be true or false")
         if self.batch_backoff_start is not None and self.adaptive_draft_size:
             raise ConfigError(f"batch_backoff_start={self.batch_backoff_start} sets the fixed back-off, which "
-                              "adaptive_draft_size replaces; also give adaptive_draft_size=false to use it")
+                              "adaptive_draft_size replaces; drop one of the two (adaptive_draft_size=false "
+                              "keeps the fixed back-off)")
         if not 0.0 <= self.min_path_prob < 1.0:
             raise ConfigError(f"min_path_prob={self.min_path_prob}: must lie in [0, 1)")
         if self.prompt_lookup_max < 0 or self.prompt_lookup_max and not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:

@@ -45,9 +45,9 @@ def add_parser(sub) -> None:
     p.add_argument("--prompt-lookup", default="off",
                    help="off, on or off,on: mtpspec methods also draft from the context where it repeats "
                         "(prompt_lookup_max=4), one row each")
-    p.add_argument("--draft-size", default="adaptive",
-                   help="adaptive, fixed or adaptive,fixed: mtpspec methods learn how much to draft per batch "
-                        "size (adaptive_draft_size), or follow the fixed batch back-off; one row each")
+    p.add_argument("--draft-size", default="fixed",
+                   help="fixed, adaptive or fixed,adaptive: mtpspec methods follow the fixed batch back-off, or "
+                        "learn how much to draft per batch size (adaptive_draft_size); one row each")
     p.add_argument("--batch-sizes", default="1,4,16,64")
     p.add_argument("--temperatures", default="0,0.7", help="0 is greedy")
     p.add_argument("--max-new-tokens", type=int, default=64)
@@ -93,7 +93,7 @@ def run(args) -> int:
                             tree=args.tree, max_tree_nodes=args.max_tree_nodes, work_dir=work_dir,
                             num_spec_tokens=args.spec_tokens, draft_layers=args.draft_layers,
                             lookups=[x.strip() == "on" for x in args.prompt_lookup.split(",")],
-                            draft_sizes=_choices(args.draft_size, ("adaptive", "fixed"), "--draft-size"))
+                            draft_sizes=_choices(args.draft_size, ("fixed", "adaptive"), "--draft-size"))
     engine = engine_settings(max(batch_sizes), args.max_prompt_tokens, args.max_new_tokens, _kv_bytes_per_token(model))
     print(f"{len(prompts)} prompts ({', '.join(sorted({p.category for p in prompts}))}), methods: "
           f"{', '.join(m.name for m in methods)}; batch sizes {batch_sizes}; temperatures {temperatures}")

@@ -6,7 +6,7 @@
 - draft: vLLM's draft-model method with a truncated copy of the target (draft_model.py).
 - mtpspec-chain / mtpspec-tree: our heads, as top-1 chains or verified as trees; one
   variant per number of heads, per quantization, with or without prompt lookup, and with
-  the draft size learned (adaptive, the default) or from the fixed batch back-off.
+  the draft size from the fixed batch back-off (the default) or learned (adaptive).
 """
 from __future__ import annotations
 
@@ -31,7 +31,7 @@ class Method:
 def build_methods(names: list[str], *, model_dir: str, heads_dir: str, num_heads: list[int], quants: list[str],
                   tree: str, work_dir: Path, max_tree_nodes: int = 8, num_spec_tokens: int = 3,
                   draft_layers: int = 6, lookups: list[bool] = (False,),
-                  draft_sizes: list[str] = ("adaptive",)) -> list[Method]:
+                  draft_sizes: list[str] = ("fixed",)) -> list[Method]:
     unknown = [n for n in names if n not in KNOWN_METHODS]
     if unknown:
         raise ValueError(f"--methods: unknown {unknown}; choose from {', '.join(KNOWN_METHODS)}")
@@ -69,9 +69,9 @@ def build_methods(names: list[str], *, model_dir: str, heads_dir: str, num_heads
                         if lookup:
                             config["prompt_lookup_max"] = PROMPT_LOOKUP_MAX
                             label += " +lookup"
-                        if draft_size == "fixed":
-                            config["adaptive_draft_size"] = False  # the fixed batch back-off
-                            label += " fixed-size"
+                        if draft_size == "adaptive":
+                            config["adaptive_draft_size"] = True  # learned, not the fixed back-off
+                            label += " adaptive-size"
                         methods.append(Method(label + ("" if quant == "fp" else " int2"), name, config))
     return methods
 
