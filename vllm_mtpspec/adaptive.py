@@ -5,24 +5,23 @@ save, and where that line lies depends on the machine (a GPU verifies 8 tokens f
 the price of 1; two CPU cores pay ~2x), on the batch (a large batch is compute bound
 already), on the heads and on the text. A fixed rule gets some of these wrong, so the
 controller measures them. Each draft size is a *level*: 0 drafts nothing, higher levels
-draft longer chains (or larger trees). For every level it keeps
+draft longer chains (or larger trees). It keeps
 
-- the tokens a request emits in a step drafted at that level (accepted drafts plus the
+- the tokens a request emits in a step drafted at each level (accepted drafts plus the
   target's own token), pooled over batch sizes: acceptance depends on the text, not on
   the batch. Where levels are nested (a chain of j tokens is the first j tokens of a
   longer one), one step at level L also says what every level below L would have
-  emitted, so the longest chains teach all the shorter ones;
-- the wall time of such a step, per batch-size bucket (powers of two), measured from
-  one draft proposal to the next, so it holds drafting, verification, sampling and
+  emitted;
+- the wall time of a step at each level, per batch-size bucket (powers of two), measured
+  from one draft proposal to the next, so it holds drafting, verification, sampling and
   vLLM's own per-step work. Steps that also prefilled a prompt are not timed.
 
-Each step it takes the level with the most tokens per second for the current batch,
-but leaves the level it is on only for one measured to be `switch_margin` better: step
-times on a shared machine are noisy, and flapping between two near-equal levels costs
-more than either. Levels not yet timed in a bucket are tried first (a few steps each),
-and every `explore_every` steps a neighbour of the best level is timed again, so the
-figures follow the machine's load and the text. Which level is chosen never changes what is
-generated: verification is lossless at every level.
+In each bucket it starts from a prior level (the fixed back-off's choice) and climbs:
+now and then it plays a neighbouring level for a short burst of steps (so both are timed
+under the same load) and moves there if that level gave `switch_margin` more tokens per
+second. A burst that finds nothing better doubles the wait before the next one, so a
+level that is right costs almost nothing to keep checking. Which level is chosen never
+changes what is generated: verification is lossless at every level.
 """
 from __future__ import annotations
 
@@ -46,27 +45,41 @@ class DecayingMean:
         self.samples += 1
 
 
+@dataclass
+class _Bucket:
+    """What the controller knows and does for one batch-size bucket."""
+
+    seconds: list[DecayingMean]   # step time per level
+    current: int                  # the level it is on
+    wait: int                     # steps on `current` before the next burst
+    steps: int = 0                # steps on `current` since the last burst
+    bursts: int = 0               # bursts made (their direction alternates)
+    burst_level: int | None = None
+    burst_samples_at_start: int = 0
+    burst_steps: int = 0
+
+
 class DraftSizeController:
     """Chooses a level in 0..max_level per step from measured tokens per second."""
 
-    def __init__(self, max_level: int, *, nested: bool = False, explore_every: int = 16, min_samples: int = 3,
-                 switch_margin: float = 0.03, time_decay: float = 0.9, token_decay: float = 0.995,
+    def __init__(self, max_level: int, *, prior: Callable[[int], int] | None = None, nested: bool = False,
+                 explore_every: int = 16, max_wait: int = 512, min_samples: int = 3, switch_margin: float = 0.03,
+                 time_decay: float = 0.9, token_decay: float = 0.995,
                  clock: Callable[[], float] = time.perf_counter) -> None:
         if max_level < 0:
             raise ValueError(f"max_level={max_level}: must be >= 0")
         self.max_level = max_level
         self.nested = nested
         self.explore_every = explore_every
+        self.max_wait = max_wait
         self.min_samples = min_samples
         self.switch_margin = switch_margin
+        self._prior = prior or (lambda batch_size: max_level)
         self._clock = clock
         self._time_decay = time_decay
         # Tokens per request, pooled over batch sizes; level 0 always emits exactly one.
         self._tokens = [DecayingMean(token_decay) for _ in range(max_level + 1)]
-        self._seconds: dict[int, list[DecayingMean]] = {}  # bucket -> per level
-        self._steps: dict[int, int] = {}  # bucket -> steps chosen there
-        self._explored: dict[int, int] = {}  # bucket -> explorations made there
-        self._current: dict[int, int] = {}  # bucket -> the level it is on
+        self._buckets: dict[int, _Bucket] = {}
         self._pending: tuple[float, int, int] | None = None  # (started, bucket, level)
 
     def next_level(self, batch_size: int, emitted: Sequence[int], timed: bool) -> int:
@@ -80,22 +93,33 @@ class DraftSizeController:
         if batch_size <= 0:
             self._pending = None
             return 0
-        bucket = batch_size.bit_length()
-        level = self._choose(bucket)
-        self._pending = (now, bucket, level)
+        key = batch_size.bit_length()
+        level = self._choose(self._bucket(key, batch_size))
+        self._pending = (now, key, level)
         return level
+
+    def expected_tokens(self, level: int) -> float:
+        """Tokens a request emits per step at this level, as measured (1.0 before any)."""
+        mean = self._tokens[level]
+        return mean.value if level > 0 and mean.samples else 1.0
 
     def tokens_per_second(self, batch_size: int) -> dict[int, float]:
         """What is known for a batch of this size: level -> tokens per second (for logs)."""
-        bucket = batch_size.bit_length()
-        seconds = self._seconds.get(bucket, [])
-        return {level: batch_size * self._expected_tokens(level) / s.value
-                for level, s in enumerate(seconds) if s.samples and s.value > 0}
+        bucket = self._buckets.get(batch_size.bit_length())
+        if bucket is None:
+            return {}
+        return {level: batch_size * self.expected_tokens(level) / s.value
+                for level, s in enumerate(bucket.seconds) if s.samples and s.value > 0}
+
+    def current_level(self, batch_size: int) -> int | None:
+        """The level a bucket has settled on (None before it has seen a batch this size)."""
+        bucket = self._buckets.get(batch_size.bit_length())
+        return None if bucket is None else bucket.current
 
     def _record(self, now: float, emitted: Sequence[int], timed: bool) -> None:
         if self._pending is None:
             return
-        started, bucket, level = self._pending
+        started, key, level = self._pending
         self._pending = None
         if not emitted:
             return
@@ -104,43 +128,53 @@ class DraftSizeController:
                 capped = sum(min(e, lower + 1) for e in emitted)
                 self._tokens[lower].add(capped / len(emitted), weight=len(emitted))
         if timed:
-            seconds = self._bucket(bucket)[level]
+            seconds = self._buckets[key].seconds[level]
             elapsed = now - started
             # A step far slower than this level's usual is a stall (another process, a
             # collection), not a property of the level.
             if not seconds.samples or elapsed < 5 * seconds.value:
                 seconds.add(elapsed)
 
-    def _bucket(self, bucket: int) -> list[DecayingMean]:
-        if bucket not in self._seconds:
-            self._seconds[bucket] = [DecayingMean(self._time_decay) for _ in range(self.max_level + 1)]
-        return self._seconds[bucket]
+    def _bucket(self, key: int, batch_size: int) -> _Bucket:
+        if key not in self._buckets:
+            start = min(max(self._prior(batch_size), 0), self.max_level)
+            self._buckets[key] = _Bucket([DecayingMean(self._time_decay) for _ in range(self.max_level + 1)],
+                                         current=start, wait=self.explore_every)
+        return self._buckets[key]
 
-    def expected_tokens(self, level: int) -> float:
-        """Tokens a request emits per step at this level, as measured (1.0 before any)."""
-        return self._expected_tokens(level)
+    def _rate(self, bucket: _Bucket, level: int) -> float:
+        return self.expected_tokens(level) / max(bucket.seconds[level].value, 1e-9)
 
-    def _expected_tokens(self, level: int) -> float:
-        mean = self._tokens[level]
-        return mean.value if level > 0 and mean.samples else 1.0
-
-    def _choose(self, bucket: int) -> int:
-        seconds = self._bucket(bucket)
-        for level, s in enumerate(seconds):
-            if s.samples < self.min_samples:
+    def _choose(self, bucket: _Bucket) -> int:
+        if bucket.burst_level is not None:
+            level = bucket.burst_level
+            new_samples = bucket.seconds[level].samples - bucket.burst_samples_at_start
+            # Untimed steps (a prefill) do not count; a burst gives up after a while.
+            if new_samples < self.min_samples and bucket.burst_steps < 3 * self.min_samples:
+                bucket.burst_steps += 1
                 return level
-        rates = [self._expected_tokens(level) / max(s.value, 1e-9) for level, s in enumerate(seconds)]
-        best = max(range(len(rates)), key=rates.__getitem__)
-        current = self._current.get(bucket, best)
-        if rates[best] <= rates[current] * (1 + self.switch_margin):
-            best = current
-        self._current[bucket] = best
-        self._steps[bucket] = self._steps.get(bucket, 0) + 1
-        if self.max_level and self._steps[bucket] % self.explore_every == 0:
-            # A neighbour, below and above in turn: cheap (far levels are the costly
-            # ones to try) and enough to climb to a better level step by step.
-            self._explored[bucket] = self._explored.get(bucket, 0) + 1
-            step = -1 if self._explored[bucket] % 2 else 1
-            neighbour = best + step
-            return neighbour if 0 <= neighbour <= self.max_level else best - step
-        return best
+            self._settle(bucket, level, timed_enough=new_samples >= self.min_samples)
+        if bucket.seconds[bucket.current].samples < self.min_samples or not self.max_level:
+            return bucket.current
+        bucket.steps += 1
+        if bucket.steps < bucket.wait:
+            return bucket.current
+        # A burst on a neighbour, below and above in turn.
+        bucket.steps = 0
+        bucket.bursts += 1
+        step = -1 if bucket.bursts % 2 else 1
+        neighbour = bucket.current + step
+        if not 0 <= neighbour <= self.max_level:
+            neighbour = bucket.current - step
+        bucket.burst_level = neighbour
+        bucket.burst_samples_at_start = bucket.seconds[neighbour].samples
+        bucket.burst_steps = 1
+        return neighbour
+
+    def _settle(self, bucket: _Bucket, level: int, *, timed_enough: bool) -> None:
+        bucket.burst_level = None
+        if timed_enough and self._rate(bucket, level) > self._rate(bucket, bucket.current) * (1 + self.switch_margin):
+            bucket.current = level
+            bucket.wait = self.explore_every
+        else:
+            bucket.wait = min(2 * bucket.wait, self.max_wait)

@@ -85,9 +85,15 @@ class MTPSpecProposer:
         # one token per level, trees double their node budget per level.
         self._tree_budgets = self._budget_ladder() if self.uses_trees else []
         # A chain of j tokens is the start of a longer one (lookup drafts too): nested levels.
-        self.draft_sizes = (DraftSizeController(len(self._tree_budgets) if self.uses_trees else self.depth,
-                                                nested=not self.uses_trees)
-                            if self.options.adaptive_draft_size else None)
+        # Each batch size starts where the fixed back-off would draft.
+        self.draft_sizes = None
+        if self.options.adaptive_draft_size:
+            if self.uses_trees:
+                self.draft_sizes = DraftSizeController(
+                    len(self._tree_budgets),
+                    prior=lambda n: self._tree_budgets.index(self.tree_budget_for_batch(n)) + 1)
+            else:
+                self.draft_sizes = DraftSizeController(self.depth, prior=self.depth_for_batch, nested=True)
         self._drafted_batch: set[str] | None = None  # requests of the last drafted step
         self._last_size_log = time.monotonic()
 
