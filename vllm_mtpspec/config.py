@@ -117,9 +117,8 @@ class SpecOptions:
     # How much to draft per step: by default a fixed back-off, above batch_backoff_start
     # running requests one token fewer (and half the tree nodes) per doubling
     # (batch_backoff_start None: 4 on CPUs, 16 elsewhere); with adaptive_draft_size, learned
-    # from measured tokens per second per batch size (adaptive.py). Off by default: in
-    # short runs its exploration still costs more than it finds at batch 16-64
-    # (benchmarks/RESULTS.md).
+    # from measured tokens per second per batch size (adaptive.py). Off by default: it has
+    # not yet beaten the fixed back-off consistently (benchmarks/RESULTS.md).
     adaptive_draft_size: bool = False
     batch_backoff_start: int | None = None
     # Prompt lookup (lookup.py): where the context's last prompt_lookup_min..max tokens

@@ -15,10 +15,10 @@ Drafts are the heads' candidates:
 - prompt lookup (lookup.py, when prompt_lookup_max is set): where the context's last
   tokens occurred before, what followed them is the request's draft, as a chain, and
   the heads are not run for it.
-How much to draft (chain depth, tree size) is chosen per step by the draft-size
-controller (adaptive.py) from measured tokens per second, so drafting backs off where
-verifying extra tokens stops being free; with `adaptive_draft_size` off, a fixed rule
-drafts less for large batches instead.
+How much to draft (chain depth, tree size) shrinks for large batches, where verifying
+extra tokens stops being free (sooner on CPUs): by a fixed rule, or, with
+`adaptive_draft_size`, by the draft-size controller (adaptive.py), which starts from that
+rule and moves to the size with the most measured tokens per second.
 """
 from __future__ import annotations
 
