@@ -27,7 +27,7 @@ def make_proposer(tiny_model, tiny_model_dir, tmp_path):
     heads_dir = save_heads(heads, tmp_path / "heads")
 
     def make(max_drafts=3, **options):
-        # The fixed back-off by default: these tests pin how much is drafted.
+        # The fixed back-off (the default): these tests pin how much is drafted.
         options = {"heads": str(heads_dir), "min_path_prob": 0.0, "adaptive_draft_size": False,
                    "batch_backoff_start": 4, **options}
         config = SimpleNamespace(
@@ -179,8 +179,9 @@ def test_the_controllers_level_sets_the_chain_depth_and_the_tree_budget(make_pro
     assert all(0 < len(d) <= 2 for d in trees.propose([[1], [2], [3]]))
 
 
-def test_the_fixed_back_off_and_learned_sizes_are_not_asked_for_together(make_proposer):
-    from vllm_mtpspec.config import ConfigError
-
-    with pytest.raises(ConfigError, match="adaptive_draft_size=false"):
-        make_proposer(adaptive_draft_size=True, batch_backoff_start=8)
+def test_learned_sizes_start_where_the_fixed_back_off_would_draft(make_proposer):
+    p, _, model = make_proposer(adaptive_draft_size=True, batch_backoff_start=2)
+    p.capture_step(torch.randn(8, model.config.hidden_size), None, list("abcdefgh"))
+    drafts = p.propose([[1]] * 8)
+    assert p.draft_sizes.current_level(8) == p.depth_for_batch(8) == 1
+    assert all(len(d) <= 1 for d in drafts) and any(drafts)

@@ -117,8 +117,9 @@ class SpecOptions:
     # How much to draft per step: by default a fixed back-off, above batch_backoff_start
     # running requests one token fewer (and half the tree nodes) per doubling
     # (batch_backoff_start None: 4 on CPUs, 16 elsewhere); with adaptive_draft_size, learned
-    # from measured tokens per second per batch size (adaptive.py). Off by default: it has
-    # not yet beaten the fixed back-off consistently (benchmarks/RESULTS.md).
+    # from measured tokens per second per batch size (adaptive.py), starting where the
+    # fixed back-off would draft. Off by default: it has not yet beaten the fixed back-off
+    # consistently (benchmarks/RESULTS.md).
     adaptive_draft_size: bool = False
     batch_backoff_start: int | None = None
     # Prompt lookup (lookup.py): where the context's last prompt_lookup_min..max tokens
@@ -137,10 +138,6 @@ class SpecOptions:
             raise ConfigError(f"batch_backoff_start={self.batch_backoff_start}: must be >= 1")
         if not isinstance(self.adaptive_draft_size, bool):
             raise ConfigError(f"adaptive_draft_size={self.adaptive_draft_size!r}: must be true or false")
-        if self.batch_backoff_start is not None and self.adaptive_draft_size:
-            raise ConfigError(f"batch_backoff_start={self.batch_backoff_start} sets the fixed back-off, which "
-                              "adaptive_draft_size replaces; drop one of the two (adaptive_draft_size=false "
-                              "keeps the fixed back-off)")
         if not 0.0 <= self.min_path_prob < 1.0:
             raise ConfigError(f"min_path_prob={self.min_path_prob}: must lie in [0, 1)")
         if self.prompt_lookup_max < 0 or self.prompt_lookup_max and not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
