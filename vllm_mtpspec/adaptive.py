@@ -17,9 +17,9 @@ draft longer chains (or larger trees). It keeps
   vLLM's own per-step work. Steps that also prefilled a prompt are not timed.
 
 In each bucket it starts from a prior level (the fixed back-off's choice) and climbs:
-now and then it plays a neighbouring level for a short burst of steps (so both are timed
-under the same load) and moves there if that level gave `switch_margin` more tokens per
-second. A burst that finds nothing better doubles the wait before the next one, so a
+now and then it plays a neighbouring level for a short burst of steps (so the two are
+compared under nearly the same load; earlier bursts still weigh in, decaying) and moves
+there if that level gave `switch_margin` more tokens per second. A burst that finds nothing better doubles the wait before the next one, so a
 level that is right costs almost nothing to keep checking. Which level is chosen never
 changes what is generated: verification is lossless at every level.
 """
