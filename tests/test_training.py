@@ -50,6 +50,21 @@ def test_data_shards_hold_answers_hidden_states_and_distributions(tiny_data):
     assert torch.equal(shard["topk_ids"][:, 0].long(), shard["tokens"].long())
 
 
+def test_shards_come_back_from_the_kept_answers(tiny_smol_teacher, tiny_data, tmp_path):
+    # The answer files are all another machine needs: the same shards are rebuilt from them.
+    assert len(list((tiny_data / "train" / "answers").glob("answers-*.npz"))) == 2
+    config = TrainConfig(model=str(tiny_smol_teacher), train_data=str(tmp_path / "train"), held_out_data=None,
+                         train_answers=str(tiny_data / "train" / "answers"))
+    rebuilt, _ = ensure_data(config, Path(tiny_smol_teacher))
+    original = list_shards(tiny_data / "train")
+    assert [p.name for p in rebuilt] == [p.name for p in original]
+    for mine, theirs in zip(rebuilt, original):
+        mine, theirs = torch.load(mine, weights_only=True), torch.load(theirs, weights_only=True)
+        assert mine["ids"] == theirs["ids"] and mine["prompt_ids"] == theirs["prompt_ids"]
+        for key in ("offsets", "tokens", "hidden", "topk_ids", "topk_logprobs"):
+            assert torch.equal(mine[key], theirs[key]), key
+
+
 def test_posthoc_job_two_workers_survives_a_killed_worker(tiny_smol_teacher, tiny_data, tmp_path):
     config = TrainConfig(
         model=str(tiny_smol_teacher), train_data=str(tiny_data / "train"), held_out_data=str(tiny_data / "held"),

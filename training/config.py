@@ -21,9 +21,12 @@ class TrainConfig:
     model: str = "smollm2-135m-instruct"      # the target (post-hoc) or teacher (co-trained)
     mode: str = "posthoc"
     student: str | None = None                 # co-trained: the student model folder
-    # Data: self-distillation shards; generated from `prompts` when the folder holds none.
+    # Data: self-distillation shards, rebuilt from the answer files where those exist and
+    # generated from `prompts` where they do not (answers default to <data folder>/answers).
     train_data: str = "runs/sharegpt-sd/train"
     held_out_data: str | None = "runs/sharegpt-sd/held-out"
+    train_answers: str | None = None
+    held_out_answers: str | None = None
     prompts: str | None = None                 # JSONL / ShareGPT JSON / text, or "sharegpt"
     max_prompts: int | None = None
     max_new_tokens: int = 256

@@ -12,33 +12,19 @@ import logging
 import time
 from pathlib import Path
 
-import torch
 from tqdm import tqdm
 
-from training.data import list_shards, shard_path
-from vllm_mtpspec.prompts import Prompt, apply_chat_template
+from training.answers import shard_from_answers
+from training.data import encode_prompt, list_shards, shard_path, write_shard
+from vllm_mtpspec.prompts import Prompt
 
 logger = logging.getLogger(__name__)
-
-
-@torch.inference_mode()
-def read_answers(target, prompt_ids: list[int], answer_ids: list[int], top_k: int):
-    """(hidden [L, d], topk_ids [L, K], topk_logprobs [L, K]) at each answer token: the
-    state at the position before it, where the target predicts it."""
-    ids = torch.tensor([prompt_ids + answer_ids])
-    out = target.model(input_ids=ids, output_hidden_states=True)
-    rows = slice(len(prompt_ids) - 1, len(prompt_ids) + len(answer_ids) - 1)
-    hidden = out.hidden_states[-1][0, rows]  # after the final norm
-    logprobs = torch.log_softmax(out.logits[0, rows].float(), dim=-1)
-    top_lp, top_ids = logprobs.topk(top_k, dim=-1)
-    return hidden.half(), top_ids.int(), top_lp.half()
 
 
 def generate_text_data(target, prompts: list[Prompt], answers: dict[str, str], out_dir: str | Path, *,
                        max_new_tokens: int = 256, max_prompt_tokens: int = 384, shard_size: int = 64,
                        top_k: int = 8) -> Path:
     out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
     prompts = [p for p in prompts if answers.get(p.id, "").strip()]
     num_shards = -(-len(prompts) // shard_size)
     todo = [i for i in range(num_shards) if not shard_path(out, i).is_file()]
@@ -47,27 +33,11 @@ def generate_text_data(target, prompts: list[Prompt], answers: dict[str, str], o
     bar = tqdm(todo, desc="dataset-text shards", unit="shard")
     for index in bar:
         batch = prompts[index * shard_size:(index + 1) * shard_size]
-        shard = {"ids": [], "categories": [], "prompt_ids": [], "offsets": [0], "tokens": [], "hidden": [],
-                 "topk_ids": [], "topk_logprobs": []}
-        for prompt in batch:
-            prompt_ids = tokenizer.encode(apply_chat_template(tokenizer, prompt.text),
-                                          add_special_tokens=False)[-max_prompt_tokens:]
-            answer_ids = tokenizer.encode(answers[prompt.id], add_special_tokens=False)[:max_new_tokens]
-            hidden, top_ids, top_lp = read_answers(target, prompt_ids, answer_ids, top_k)
-            shard["ids"].append(prompt.id)
-            shard["categories"].append(prompt.category)
-            shard["prompt_ids"].append(prompt_ids)
-            shard["offsets"].append(shard["offsets"][-1] + len(answer_ids))
-            shard["tokens"].append(torch.tensor(answer_ids, dtype=torch.int32))
-            shard["hidden"].append(hidden)
-            shard["topk_ids"].append(top_ids)
-            shard["topk_logprobs"].append(top_lp)
-        for key in ("tokens", "hidden", "topk_ids", "topk_logprobs"):
-            shard[key] = torch.cat(shard[key])
-        shard["offsets"] = torch.tensor(shard["offsets"], dtype=torch.int64)
-        tmp = shard_path(out, index).with_suffix(".partial")
-        torch.save(shard, tmp)
-        tmp.rename(shard_path(out, index))
+        prompt_ids = [encode_prompt(tokenizer, prompt, max_prompt_tokens) for prompt in batch]
+        answer_ids = [tokenizer.encode(answers[p.id], add_special_tokens=False)[:max_new_tokens] for p in batch]
+        shard = shard_from_answers(target, [p.id for p in batch], [p.category for p in batch], prompt_ids,
+                                   answer_ids, top_k=top_k)
+        write_shard(out, index, shard)
         done_tokens += int(shard["tokens"].numel())
         bar.set_postfix(tokens=done_tokens, tok_per_s=f"{done_tokens / (time.perf_counter() - started):.0f}")
     logger.info("%d shards in %s", len(list_shards(out)), out)

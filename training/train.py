@@ -160,28 +160,34 @@ def _expand_shard(batch: dict, num_heads: int) -> dict:
 
 
 def ensure_data(config: TrainConfig, model_dir: Path) -> tuple[list[Path], list[Path]]:
-    """Shards for training and held-out evaluation; generated from config.prompts if absent."""
-    from training.data import generate_self_distillation, list_shards
+    """Shards for training and held-out evaluation: rebuilt from the kept answer files,
+    and generated for config.prompts where answers are missing."""
+    from training.answers import shards_from_answers
+    from training.data import answers_dir_for, generate_self_distillation, list_shards
 
-    train_shards = list_shards(config.train_data)
-    held_shards = list_shards(config.held_out_data) if config.held_out_data else []
-    if not train_shards and config.prompts:
+    splits = [(config.train_data, config.train_answers, False)]
+    if config.held_out_data:
+        splits.append((config.held_out_data, config.held_out_answers, True))
+    if config.prompts:
         from training.prompts import is_held_out, load_training_prompts, sharegpt_prompts
 
         prompts = sharegpt_prompts() if config.prompts == "sharegpt" else load_training_prompts(config.prompts)
         prompts = prompts[: config.max_prompts]
-        train_prompts = [p for p in prompts if not is_held_out(p.id)]
-        held_prompts = [p for p in prompts if is_held_out(p.id)]
-        logger.info("generating self-distillation data for %d prompts", len(prompts))
-        generate_self_distillation(model_dir, train_prompts, config.train_data, max_new_tokens=config.max_new_tokens)
-        if held_prompts and config.held_out_data:
-            generate_self_distillation(model_dir, held_prompts, config.held_out_data, max_new_tokens=config.max_new_tokens)
-        train_shards = list_shards(config.train_data)
-        held_shards = list_shards(config.held_out_data) if config.held_out_data else []
+        for data, answers, held_out in splits:
+            split = [p for p in prompts if is_held_out(p.id) == held_out]
+            if split:
+                generate_self_distillation(model_dir, split, data, answers_dir=answers_dir_for(data, answers),
+                                           max_new_tokens=config.max_new_tokens)
+    else:
+        for data, answers, _ in splits:
+            shards_from_answers(model_dir, answers_dir_for(data, answers), data)
+    train_shards = list_shards(config.train_data)
+    held_shards = list_shards(config.held_out_data) if config.held_out_data else []
     if not train_shards:
         raise TrainConfigError(
-            f"train_data={config.train_data!r} holds no shard-*.pt files and no 'prompts' were given to make "
-            "them: the data set is empty. Set 'prompts' (a JSONL file or 'sharegpt') or run python -m training.data"
+            f"train_data={config.train_data!r} holds no shard-*.pt files, train_answers holds no answer files and "
+            "no 'prompts' were given to make them: the data set is empty. Set 'prompts' (a JSONL file or "
+            "'sharegpt') or run python -m training.data"
         )
     return train_shards[: config.max_train_shards], held_shards
 

@@ -1,0 +1,74 @@
+"""Answer files: the kept form of self-distillation data, and the shards rebuilt from them."""
+import numpy as np
+import pytest
+import torch
+
+from training.answers import AnswersError, answers_path, read_answers, shards_from_answers, write_answers
+from training.data import list_shards
+from vllm_mtpspec.checkpoint import model_fingerprint
+from vllm_mtpspec.target import load_target
+
+IDS, CATEGORIES = ["a", "b"], ["code", "general"]
+PROMPTS = [[1, 2, 3], [4, 5]]
+ANSWERS = [[49151, 7, 8, 9], [10]]
+
+
+def write_example(path, **overrides):
+    kwargs = dict(fingerprint="f" * 16, vocab_size=49152, max_new_tokens=4)
+    kwargs.update(overrides)
+    return write_answers(path, IDS, CATEGORIES, PROMPTS, ANSWERS, **kwargs)
+
+
+def test_answers_round_trip_in_two_bytes_per_token(tmp_path):
+    path = write_example(answers_path(tmp_path, 3))
+    assert path.name == "answers-00003.npz" and not list(tmp_path.glob("*.partial"))
+    kept = read_answers(path, fingerprint="f" * 16, vocab_size=49152)
+    assert kept["ids"] == IDS and kept["categories"] == CATEGORIES
+    assert kept["prompt_ids"] == PROMPTS and kept["answers"] == ANSWERS
+    assert kept["meta"]["max_new_tokens"] == 4
+    with np.load(path) as data:
+        assert data["tokens"].dtype == np.uint16
+
+
+def test_answers_of_another_model_or_a_damaged_file_are_refused(tmp_path):
+    path = write_example(tmp_path / "answers-00000.npz")
+    with pytest.raises(AnswersError, match="'model_fingerprint'.*another model"):
+        read_answers(path, fingerprint="0" * 16)
+    with pytest.raises(AnswersError, match="beyond the target's vocabulary of 1000"):
+        read_answers(path, vocab_size=1000)
+    truncated = tmp_path / "answers-00001.npz"
+    truncated.write_bytes(path.read_bytes()[:200])
+    with pytest.raises(AnswersError, match="answers-00001.npz: not a readable answer file.*generate it again"):
+        read_answers(truncated)
+    garbage = tmp_path / "answers-00002.npz"
+    garbage.write_bytes(b"not a zip file at all")
+    with pytest.raises(AnswersError, match="answers-00002.npz: not a readable answer file"):
+        read_answers(garbage)
+
+
+def test_shards_are_rebuilt_from_answers_by_teacher_forcing(tiny_smol_teacher, tmp_path):
+    target = load_target(str(tiny_smol_teacher))
+    tokenizer = target.tokenizer
+    prompt_ids = [tokenizer.encode(text, add_special_tokens=False) for text in ("Say hello.", "Count to three.")]
+    answers = [tokenizer.encode(text, add_special_tokens=False) for text in ("Hello!", "One, two, three.")]
+    fingerprint = model_fingerprint(tiny_smol_teacher)
+    vocab_size = target.model.config.vocab_size
+    write_answers(answers_path(tmp_path / "answers", 0), ["a"], ["general"], prompt_ids[:1], answers[:1],
+                  fingerprint=fingerprint, vocab_size=vocab_size)
+    write_answers(answers_path(tmp_path / "answers", 1), ["c"], ["math"], prompt_ids[1:], answers[1:],
+                  fingerprint=fingerprint, vocab_size=vocab_size)
+    written = shards_from_answers(tiny_smol_teacher, tmp_path / "answers", tmp_path / "shards", top_k=4)
+    assert written == list_shards(tmp_path / "shards") and len(written) == 2
+    shard = torch.load(written[1], weights_only=True)
+    assert shard["ids"] == ["c"] and shard["categories"] == ["math"] and shard["tokens"].tolist() == answers[1]
+    # Row r holds the target's distribution where it predicts answer token r.
+    with torch.no_grad():
+        logits = target.model(input_ids=torch.tensor([prompt_ids[1] + answers[1]])).logits[0]
+    first = len(prompt_ids[1]) - 1
+    assert torch.equal(shard["topk_ids"].long(), logits[first:first + len(answers[1])].topk(4, dim=-1).indices)
+    # Shards already there are kept; a file made by another model is refused by name.
+    assert shards_from_answers(tiny_smol_teacher, tmp_path / "answers", tmp_path / "shards") == []
+    write_answers(answers_path(tmp_path / "answers", 2), ["d"], ["general"], prompt_ids[:1], answers[:1],
+                  fingerprint="not-this-model", vocab_size=vocab_size)
+    with pytest.raises(AnswersError, match="answers-00002.npz: field 'model_fingerprint'"):
+        shards_from_answers(tiny_smol_teacher, tmp_path / "answers", tmp_path / "shards")
