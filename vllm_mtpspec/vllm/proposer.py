@@ -81,6 +81,8 @@ class MTPSpecProposer:
         self._tree_rows: dict[int, int] = {}
         self._tree_blockers: list[str | None] | None = None
         self._step_was_decode_only = False
+        # The largest tree a step may send: the user's node budget within vLLM's.
+        self.max_tree_budget = min(self.options.max_tree_nodes, self.max_drafts)
         # Draft sizes the controller chooses between: level 0 drafts nothing; chains grow
         # one token per level, trees double their node budget per level.
         self._tree_budgets = self._budget_ladder() if self.uses_trees else []
@@ -98,7 +100,7 @@ class MTPSpecProposer:
         self._last_size_log = time.monotonic()
 
     def _budget_ladder(self) -> list[int]:
-        largest = min(self.options.max_tree_nodes, self.max_drafts)
+        largest = self.max_tree_budget
         return sorted({max(largest >> j, 1) for j in range(largest.bit_length())})
 
     def load_model(self, target_model) -> None:
@@ -113,7 +115,7 @@ class MTPSpecProposer:
         self._chain_builder = DraftTreeBuilder("chain", self.depth, max_nodes=self.depth, **builder)
         if self.uses_trees:
             self._tree_builder = DraftTreeBuilder(options.tree, self.depth,
-                                                  max_nodes=min(options.max_tree_nodes, self.max_drafts), **builder)
+                                                  max_nodes=self.max_tree_budget, **builder)
         logger.info("mtpspec: loaded %s heads (%s, %s) from %s; drafting %s of depth %d",
                     self.heads.num_heads, "tied" if self.heads.config.tied else "untied",
                     "int2" if self.heads.is_quantized else str(self.dtype), self.options.heads,
@@ -147,15 +149,15 @@ class MTPSpecProposer:
 
     def tree_budget_for_batch(self, num_requests: int) -> int:
         """Half the tree nodes per doubling of the batch past batch_backoff_start."""
-        return max(min(self.options.max_tree_nodes, self.max_drafts) >> self._doublings_past_backoff(num_requests), 1)
+        return max(self.max_tree_budget >> self._doublings_past_backoff(num_requests), 1)
 
-    def _draft_size(self, sampled_token_ids, req_ids) -> tuple[int, int]:
-        """(chain depth, tree node budget) for this step."""
+    def _draft_size(self, sampled_token_ids, req_ids, live: set[str] | None) -> tuple[int, int]:
+        """(chain depth, tree node budget) for this step; live: the set of req_ids."""
         num_requests = len(sampled_token_ids)
         if self.draft_sizes is None:
             return self.depth_for_batch(num_requests), self.tree_budget_for_batch(num_requests)
         drafted = self._drafted_batch
-        self._drafted_batch = None if req_ids is None else set(req_ids)
+        self._drafted_batch = live
         emitted = [len(tokens) for i, tokens in enumerate(sampled_token_ids)
                    if drafted is None or req_ids is None or req_ids[i] in drafted]
         level = self.draft_sizes.next_level(num_requests, emitted, timed=self._step_was_decode_only)
@@ -181,10 +183,10 @@ class MTPSpecProposer:
         self._sample_hidden_states = None
         drafts: list[list[int]] = [[] for _ in sampled_token_ids]
         req_ids = self._req_ids
-        if req_ids is not None:
-            live = set(req_ids)
+        live = None if req_ids is None else set(req_ids)
+        if live is not None:
             self.proposed_trees = {r: t for r, t in self.proposed_trees.items() if r in live}
-        depth, budget = self._draft_size(sampled_token_ids, req_ids)
+        depth, budget = self._draft_size(sampled_token_ids, req_ids, live)
         if hidden_all is None or depth == 0:
             return drafts
         pairs = last_sampled_rows(sampled_token_ids, self._num_draft_tokens, hidden_all.shape[0], self._tree_rows)
