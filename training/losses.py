@@ -31,7 +31,7 @@ def candidate_set(targets: torch.Tensor, teacher_ids: torch.Tensor, vocab_size: 
 
 def mtp_losses(
     head_hidden: torch.Tensor,      # [B, k, d]
-    projection: torch.Tensor,       # [V, d] (tied) or [k, V, d] (untied)
+    projection: torch.Tensor | list[torch.Tensor],  # [V, d] (tied), or k of them (untied)
     targets: torch.Tensor,          # [B, k] token ids, -1 = none
     teacher_ids: torch.Tensor,      # [B, k, K], -1 = none
     teacher_logprobs: torch.Tensor, # [B, k, K]
@@ -40,12 +40,16 @@ def mtp_losses(
     kl_weight: float = 1.0,
     generator: torch.Generator | None = None,
 ) -> HeadLosses:
-    vocab = projection.shape[-2]
+    tied = isinstance(projection, torch.Tensor)
+    vocab = (projection if tied else projection[0]).shape[0]
     cand = candidate_set(targets, teacher_ids, vocab, num_negatives, generator)       # [C]
-    if projection.dim() == 2:
+    if tied:
         logits = head_hidden @ projection[cand].T.to(head_hidden.dtype)                 # [B, k, C]
     else:
-        logits = torch.einsum("bkd,kcd->bkc", head_hidden, projection[:, cand].to(head_hidden.dtype))
+        # Each head's candidate rows only: stacking whole [V, d] projections first would
+        # copy (and back-propagate through) every row, ~100x the work at these sizes.
+        rows = torch.stack([weight[cand] for weight in projection]).to(head_hidden.dtype)  # [k, C, d]
+        logits = torch.einsum("bkd,kcd->bkc", head_hidden, rows)
     logq = F.log_softmax(logits.float(), dim=-1)
     valid = targets >= 0                                                                 # [B, k]
     target_idx = torch.searchsorted(cand, targets.clamp_min(0))

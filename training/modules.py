@@ -27,10 +27,10 @@ class PosthocModule(nn.Module):
     def trainable_parameters(self):
         return [p for p in self.heads.parameters() if p.requires_grad]
 
-    def projection(self) -> torch.Tensor:
+    def projection(self) -> torch.Tensor | list[torch.Tensor]:
         if self.heads.proj is None:
             return self.lm_head
-        return torch.stack([p.weight for p in self.heads.proj])
+        return [p.weight for p in self.heads.proj]
 
     def forward(self, batch: dict, generator=None):
         device = self.lm_head.device
@@ -105,7 +105,7 @@ class CotrainModule(nn.Module):
                      torch.ones(hidden.shape[0], dtype=torch.bool, device=device))
         embeds = self.student.get_input_embeddings()(torch.cat(tokens).to(device)) if self.heads.config.token_conditioned else None
         head_hidden = self.heads.hidden(hidden, embeds)
-        projection = lm_head.weight if self.heads.proj is None else torch.stack([p.weight for p in self.heads.proj])
+        projection = lm_head.weight if self.heads.proj is None else [p.weight for p in self.heads.proj]
         losses = mtp_losses(head_hidden, projection, torch.cat(targets).to(device), torch.cat(t_ids).to(device),
                             torch.cat(t_lp).to(device), num_negatives=self.num_negatives, kl_weight=self.kl_weight,
                             generator=generator)
