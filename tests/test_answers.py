@@ -1,4 +1,6 @@
 """Answer files: the kept form of self-distillation data, and the shards rebuilt from them."""
+import os
+
 import numpy as np
 import pytest
 import torch
@@ -68,7 +70,24 @@ def test_shards_are_rebuilt_from_answers_by_teacher_forcing(tiny_smol_teacher, t
     assert torch.equal(shard["topk_ids"].long(), logits[first:first + len(answers[1])].topk(4, dim=-1).indices)
     # Shards already there are kept; a file made by another model is refused by name.
     assert shards_from_answers(tiny_smol_teacher, tmp_path / "answers", tmp_path / "shards") == []
+    # An answer file newer than its shard (made again) has its shard made again.
+    later = written[0].stat().st_mtime + 10
+    os.utime(answers_path(tmp_path / "answers", 0), (later, later))
+    assert shards_from_answers(tiny_smol_teacher, tmp_path / "answers", tmp_path / "shards") == written[:1]
     write_answers(answers_path(tmp_path / "answers", 2), ["d"], ["general"], prompt_ids[:1], answers[:1],
                   fingerprint="not-this-model", vocab_size=vocab_size)
     with pytest.raises(AnswersError, match="answers-00002.npz: field 'model_fingerprint'"):
         shards_from_answers(tiny_smol_teacher, tmp_path / "answers", tmp_path / "shards")
+
+
+def test_an_answers_folder_of_another_prompt_list_is_refused_before_generating(tmp_path):
+    from training.data import _answered, generate_answers
+    from vllm_mtpspec.prompts import Prompt
+
+    write_example(answers_path(tmp_path, 0))  # answers prompts "a", "b"
+    prompts = [Prompt("x", "general", pid) for pid in ("a", "b", "c")]
+    assert _answered(tmp_path, 0, prompts[:2])
+    # The last file of a smaller prompt list: made again with the prompts it lacks.
+    assert not _answered(tmp_path, 0, prompts)
+    with pytest.raises(AnswersError, match="answers-00000.npz: field 'ids' answers other prompts.*--answers"):
+        generate_answers("no-model-needed", [Prompt("x", "general", "z")] + prompts, tmp_path, shard_size=3)

@@ -95,6 +95,16 @@ def read_answers(path: str | Path, *, fingerprint: str | None = None, vocab_size
     return {"meta": meta, "ids": ids, "categories": categories, "prompt_ids": prompts, "answers": answers}
 
 
+def prompts_answered(path: str | Path) -> list[str]:
+    """The ids of the prompts an answer file answers (read without the tokens)."""
+    try:
+        with np.load(path, allow_pickle=False) as data:
+            return data["ids"].tolist()
+    except (OSError, ValueError, KeyError, EOFError, zipfile.BadZipFile) as err:
+        raise AnswersError(f"{path}: not a readable answer file ({err}); delete it and generate it again "
+                           "with python -m training.data") from err
+
+
 def _split(flat: np.ndarray, offsets: np.ndarray) -> list[list[int]]:
     if offsets.ndim != 1 or offsets.size == 0 or offsets[0] != 0 or offsets[-1] != flat.size or (np.diff(offsets) < 0).any():
         raise ValueError("offsets do not cut the token array")
@@ -132,16 +142,20 @@ def shard_from_answers(target, ids, categories, prompt_ids, answers, *, top_k: i
     return shard
 
 
+def _newer(path: Path, than: Path) -> bool:
+    return path.is_file() and path.stat().st_mtime >= than.stat().st_mtime
+
+
 def shards_from_answers(model_dir: str | Path, answers_dir: str | Path, out_dir: str | Path, *,
                         top_k: int = 8) -> list[Path]:
-    """Rebuild the training shard of every answer file that has none yet (the target is
-    loaded only if there is one); returns the shards written."""
+    """Rebuild the training shard of every answer file that has none, or an older one (the
+    target is loaded only if there is any); returns the shards written."""
     from training.data import shard_path, write_shard
     from vllm_mtpspec.checkpoint import model_fingerprint
     from vllm_mtpspec.target import load_target
 
     todo = [(int(f.stem.split("-")[1]), f) for f in list_answer_files(answers_dir)]
-    todo = [(i, f) for i, f in todo if not shard_path(out_dir, i).is_file()]
+    todo = [(i, f) for i, f in todo if not _newer(shard_path(out_dir, i), f)]
     if not todo:
         return []
     target = load_target(str(model_dir), dtype="fp32")

@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from training.answers import answers_path, shards_from_answers, write_answers
+from training.answers import AnswersError, answers_path, prompts_answered, shards_from_answers, write_answers
 from vllm_mtpspec.prompts import Prompt, apply_chat_template
 
 logger = logging.getLogger(__name__)
@@ -71,19 +71,16 @@ def generate_answers(
     dtype: str = "float32",
     kv_cache_bytes: int = 1 << 30,
     max_num_seqs: int = 64,
-    shards_dir: str | Path | None = None,
 ) -> Path:
     """The target's greedy answers, one answer file per shard_size prompts (file i holds
-    prompts[i * shard_size:(i + 1) * shard_size]); files already there are kept, and so
-    are prompts whose training shard is already in shards_dir."""
+    prompts[i * shard_size:(i + 1) * shard_size]); files already there are kept."""
     from vllm import LLM, SamplingParams
 
     from vllm_mtpspec.checkpoint import model_fingerprint
 
     out = Path(answers_dir)
     num_files = -(-len(prompts) // shard_size)
-    todo = [i for i in range(num_files) if not answers_path(out, i).is_file()
-            and not (shards_dir is not None and shard_path(shards_dir, i).is_file())]
+    todo = [i for i in range(num_files) if not _answered(out, i, prompts[i * shard_size:(i + 1) * shard_size])]
     if not todo:
         logger.info("all %d answer files in %s are done", num_files, out)
         return out
@@ -111,6 +108,24 @@ def generate_answers(
     return out
 
 
+def _answered(answers_dir: Path, index: int, prompts: list[Prompt]) -> bool:
+    """Whether answer file `index` holds answers to exactly these prompts. A file that
+    answers the first of them only (the last file of a smaller prompt list) is made again;
+    one that answers other prompts is refused: the folder belongs to another prompt list."""
+    path = answers_path(answers_dir, index)
+    if not path.is_file():
+        return False
+    answered, wanted = prompts_answered(path), [p.id for p in prompts]
+    if answered == wanted:
+        return True
+    if answered == wanted[:len(answered)]:
+        return False
+    raise AnswersError(
+        f"{path}: field 'ids' answers other prompts than file {index} of this prompt list (it starts with "
+        f"{answered[:1]}, the prompts with {wanted[:1]}): the prompt source, split, order or shard size differ. "
+        "Give this prompt list its own answers folder (--answers, or 'train_answers' in the config)")
+
+
 def generate_self_distillation(
     model_dir: str | Path,
     prompts: list[Prompt],
@@ -124,7 +139,7 @@ def generate_self_distillation(
     (default out_dir/answers) lacks them, then read off the target. generation: the
     keyword arguments of generate_answers."""
     answers_dir = answers_dir_for(out_dir, answers_dir)
-    generate_answers(model_dir, prompts, answers_dir, shards_dir=out_dir, **generation)
+    generate_answers(model_dir, prompts, answers_dir, **generation)
     shards_from_answers(model_dir, answers_dir, out_dir, top_k=top_k)
     return Path(out_dir)
 
