@@ -66,7 +66,8 @@ def main() -> None:
         # CPU affords (which the draft-size controller would weigh).
         spec = {"method": "mtpspec", "model": heads, "tree": tree, "max_tree_nodes": args.max_tree_nodes,
                 "min_path_prob": 0.0 if tree != "dynamic" else 0.02,
-                "adaptive_draft_size": False, "batch_backoff_start": ENGINE["max_num_seqs"]}
+                "adaptive_draft_size": False, "batch_backoff_start": ENGINE["max_num_seqs"],
+                "prompt_lookup_max": 0}
         outputs, c = run(model, prompts, args.max_tokens, spec)
         steps = c.get("vllm:spec_decode_num_drafts", 0)
         accepted = c.get("vllm:spec_decode_num_accepted_tokens", 0)

@@ -42,7 +42,7 @@ def test_mtpspec_variants_per_head_count_and_prompt_lookup(tmp_path):
                                          "mtpspec-chain k=3", "mtpspec-chain k=3 +lookup"]
     with_lookup = methods[2].speculative_config
     assert with_lookup["prompt_lookup_max"] == methods[0].speculative_config["prompt_lookup_max"]
-    assert "prompt_lookup_max" not in methods[1].speculative_config
+    assert methods[1].speculative_config["prompt_lookup_max"] == 0  # off, whatever the default
     from vllm_mtpspec.vllm.options import translate
 
     translate(with_lookup, None)  # a config vLLM will accept
@@ -108,7 +108,7 @@ def test_bench_end_to_end_writes_json_markdown_and_plot(tmp_path):
 
     out = tmp_path / "bench"
     code = main(["bench", "--prompts", "humaneval", "--num-prompts", "2", "--methods", "none,mtpspec-tree",
-                 "--batch-sizes", "1,2", "--temperatures", "0", "--max-new-tokens", "8", "--work-dir", str(tmp_path),
+                 "--prompt-lookup", "off", "--batch-sizes", "1,2", "--temperatures", "0", "--max-new-tokens", "8", "--work-dir", str(tmp_path),
                  "--json", f"{out}.json", "--markdown", f"{out}.md", "--plot", f"{out}.png"])
     assert code == 0
     result = json.loads((tmp_path / "bench.json").read_text())
@@ -127,7 +127,7 @@ def test_draft_size_variants_learned_and_fixed(tmp_path):
 
     methods = build_methods(["mtpspec-chain"], model_dir="m", heads_dir="h", num_heads=[3], quants=["fp"],
                             tree="consensus", work_dir=tmp_path, draft_sizes=["fixed", "adaptive"])
-    assert [m.name for m in methods] == ["mtpspec-chain k=3", "mtpspec-chain k=3 adaptive-size"]
+    assert [m.name for m in methods] == ["mtpspec-chain k=3 +lookup", "mtpspec-chain k=3 +lookup adaptive-size"]
     options = [SpecOptions.from_dict({k: v for k, v in m.speculative_config.items() if k not in ("method", "model")})
                for m in methods]
     assert [o.adaptive_draft_size for o in options] == [False, True]

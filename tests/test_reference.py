@@ -18,7 +18,7 @@ def random_heads(tiny_model, tiny_model_dir):
 @pytest.mark.parametrize("tree", ["chain", "consensus", "static", "dynamic"])
 def test_greedy_output_equals_the_model_alone(tiny_model, random_heads, tree):
     decoder = ReferenceDecoder(tiny_model, HeadsDrafter(random_heads, tiny_model),
-                               SpecOptions(tree=tree, min_path_prob=0.0))
+                               SpecOptions(tree=tree, min_path_prob=0.0, prompt_lookup_max=0))
     for prompt in PROMPTS:
         expected = plain_greedy(tiny_model, prompt, max_new_tokens=40, eos_token_ids=set())
         result = decoder.decode(prompt, max_new_tokens=40)
@@ -32,7 +32,8 @@ def test_oracle_heads_are_always_accepted(tiny_model, tree):
     prompt = PROMPTS[1]
     expected = plain_greedy(tiny_model, prompt, max_new_tokens=41, eos_token_ids=set())
     oracle = OracleDrafter(tiny_model, prompt, expected, num_heads=k, vocab_size=tiny_model.config.vocab_size)
-    result = ReferenceDecoder(tiny_model, oracle, SpecOptions(tree=tree)).decode(prompt, max_new_tokens=41)
+    result = ReferenceDecoder(tiny_model, oracle, SpecOptions(tree=tree, prompt_lookup_max=0)).decode(
+        prompt, max_new_tokens=41)
     assert result.tokens == expected
     assert [s.accepted_len for s in result.steps] == [k + 1] * 10
     assert result.head_hits == result.head_tries == [10] * k
@@ -44,7 +45,8 @@ def test_eos_stops_decoding_inside_an_accepted_run(tiny_model):
     eos = free[9]
     expected = plain_greedy(tiny_model, prompt, max_new_tokens=30, eos_token_ids={eos})
     oracle = OracleDrafter(tiny_model, prompt, free, num_heads=3, vocab_size=tiny_model.config.vocab_size)
-    result = ReferenceDecoder(tiny_model, oracle, SpecOptions()).decode(prompt, max_new_tokens=30, eos_token_ids={eos})
+    result = ReferenceDecoder(tiny_model, oracle, SpecOptions(prompt_lookup_max=0)).decode(
+        prompt, max_new_tokens=30, eos_token_ids={eos})
     assert result.tokens == expected and result.tokens[-1] == eos
 
 

@@ -61,7 +61,7 @@ def test_oracle_heads_on_the_real_model_accept_every_draft(smollm2_fp32, tree):
     ids = target.tokenizer.encode(apply_chat_template(target.tokenizer, prompt.text), add_special_tokens=False)
     expected = plain_greedy(target.model, ids, max_new_tokens=31, eos_token_ids=set())
     oracle = OracleDrafter(target.model, ids, expected, num_heads=k, vocab_size=target.model.config.vocab_size)
-    decoder = ReferenceDecoder(target.model, oracle, SpecOptions(tree=tree))
+    decoder = ReferenceDecoder(target.model, oracle, SpecOptions(tree=tree, prompt_lookup_max=0))
     # The oracle's token is always the top-1 candidate: the tree's all-top-1 path is taken.
     top1_depth = max(len(p) for p in decoder.static_shape.paths if set(p) == {0})
     result = decoder.decode(ids, max_new_tokens=1 + 5 * (top1_depth + 1))

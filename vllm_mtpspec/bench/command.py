@@ -42,9 +42,9 @@ def add_parser(sub) -> None:
     p.add_argument("--tree", default="consensus", choices=("consensus", "static", "dynamic"),
                    help="the tree preset of mtpspec-tree")
     p.add_argument("--max-tree-nodes", type=int, default=8, help="node budget of mtpspec-tree")
-    p.add_argument("--prompt-lookup", default="off",
-                   help="off, on or off,on: mtpspec methods also draft from the context where it repeats "
-                        "(prompt_lookup_max=4), one row each")
+    p.add_argument("--prompt-lookup", default="on",
+                   help="on (mtpspec's default), off or off,on: mtpspec methods also draft from the context where "
+                        "it repeats (prompt_lookup_max=4), one row each")
     p.add_argument("--draft-size", default="fixed",
                    help="fixed, adaptive or fixed,adaptive: mtpspec methods follow the fixed batch back-off, or "
                         "learn how much to draft per batch size (adaptive_draft_size); one row each")
@@ -92,7 +92,7 @@ def run(args) -> int:
                             heads_dir=heads, num_heads=_ints(args.num_heads), quants=args.quant.split(","),
                             tree=args.tree, max_tree_nodes=args.max_tree_nodes, work_dir=work_dir,
                             num_spec_tokens=args.spec_tokens, draft_layers=args.draft_layers,
-                            lookups=[x.strip() == "on" for x in args.prompt_lookup.split(",")],
+                            lookups=[x == "on" for x in _choices(args.prompt_lookup, ("off", "on"), "--prompt-lookup")],
                             draft_sizes=_choices(args.draft_size, ("fixed", "adaptive"), "--draft-size"))
     engine = engine_settings(max(batch_sizes), args.max_prompt_tokens, args.max_new_tokens, _kv_bytes_per_token(model))
     print(f"{len(prompts)} prompts ({', '.join(sorted({p.category for p in prompts}))}), methods: "

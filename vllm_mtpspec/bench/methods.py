@@ -30,7 +30,7 @@ class Method:
 
 def build_methods(names: list[str], *, model_dir: str, heads_dir: str, num_heads: list[int], quants: list[str],
                   tree: str, work_dir: Path, max_tree_nodes: int = 8, num_spec_tokens: int = 3,
-                  draft_layers: int = 6, lookups: list[bool] = (False,),
+                  draft_layers: int = 6, lookups: list[bool] = (True,),
                   draft_sizes: list[str] = ("fixed",)) -> list[Method]:
     unknown = [n for n in names if n not in KNOWN_METHODS]
     if unknown:
@@ -66,8 +66,9 @@ def build_methods(names: list[str], *, model_dir: str, heads_dir: str, num_heads
                         if method_tree != "chain":
                             config["max_tree_nodes"] = max_tree_nodes
                             label = f"mtpspec-{method_tree} k={k} n<={max_tree_nodes}"
+                        # Either way explicitly: the options' default may change.
+                        config["prompt_lookup_max"] = PROMPT_LOOKUP_MAX if lookup else 0
                         if lookup:
-                            config["prompt_lookup_max"] = PROMPT_LOOKUP_MAX
                             label += " +lookup"
                         if draft_size == "adaptive":
                             config["adaptive_draft_size"] = True  # learned, not the fixed back-off
