@@ -79,15 +79,15 @@ def read_answers(path: str | Path, *, fingerprint: str | None = None, vocab_size
             ids, categories = data["ids"].tolist(), data["categories"].tolist()
             prompts = _split(data["prompt_tokens"], data["prompt_offsets"])
             answers = _split(data["tokens"], data["offsets"])
-    except (OSError, ValueError, KeyError, EOFError, zipfile.BadZipFile) as err:
-        raise AnswersError(f"{path}: not a readable answer file ({err}); delete it and generate it again "
-                           "with python -m training.data") from err
+    except UNREADABLE as err:
+        raise _unreadable(path, err) from err
     if meta.get("format") != FORMAT:
         raise AnswersError(f"{path}: field 'format' is {meta.get('format')!r}, this version reads {FORMAT}")
     if fingerprint is not None and meta.get("model_fingerprint") != fingerprint:
         raise AnswersError(f"{path}: field 'model_fingerprint' is {meta.get('model_fingerprint')!r}, but the "
                            f"target's is {fingerprint!r}: these answers were made by another model; point "
-                           "'answers' at a folder made by this one or generate new answers")
+                           "train_answers / held_out_answers (or --answers) at answers made by this one, or "
+                           "generate new ones")
     if not len(ids) == len(categories) == len(prompts) == len(answers):
         raise AnswersError(f"{path}: {len(ids)} ids, {len(prompts)} prompts and {len(answers)} answers do not match")
     if vocab_size is not None and any(t >= vocab_size for seq in prompts + answers for t in seq):
@@ -100,9 +100,16 @@ def prompts_answered(path: str | Path) -> list[str]:
     try:
         with np.load(path, allow_pickle=False) as data:
             return data["ids"].tolist()
-    except (OSError, ValueError, KeyError, EOFError, zipfile.BadZipFile) as err:
-        raise AnswersError(f"{path}: not a readable answer file ({err}); delete it and generate it again "
-                           "with python -m training.data") from err
+    except UNREADABLE as err:
+        raise _unreadable(path, err) from err
+
+
+UNREADABLE = (OSError, ValueError, KeyError, EOFError, zipfile.BadZipFile)
+
+
+def _unreadable(path, err) -> AnswersError:
+    return AnswersError(f"{path}: not a readable answer file ({err}); delete it and generate it again with "
+                        "python -m training.data")
 
 
 def _split(flat: np.ndarray, offsets: np.ndarray) -> list[list[int]]:
@@ -117,10 +124,11 @@ def teacher_forced(target, prompt_ids: list[int], answer_ids: list[int], top_k: 
     """(hidden [L, d], topk_ids [L, K], topk_logprobs [L, K]) at each answer token: the
     state at the position before it, where the target predicts it."""
     ids = torch.tensor([prompt_ids + answer_ids])
-    out = target.model(input_ids=ids, output_hidden_states=True)
     rows = slice(len(prompt_ids) - 1, len(prompt_ids) + len(answer_ids) - 1)
-    hidden = out.hidden_states[-1][0, rows]  # after the final norm
-    logprobs = torch.log_softmax(out.logits[0, rows].float(), dim=-1)
+    # The decoder's output is after the final norm; the LM head runs on the answer rows only.
+    hidden = target.model.get_decoder()(input_ids=ids).last_hidden_state[0, rows]
+    logits = target.model.get_output_embeddings()(hidden)
+    logprobs = torch.log_softmax(logits.float(), dim=-1)
     top_lp, top_ids = logprobs.topk(top_k, dim=-1)
     return hidden.half(), top_ids.int(), top_lp.half()
 
