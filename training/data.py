@@ -84,6 +84,9 @@ def generate_answers(
     if not todo:
         logger.info("all %d answer files in %s are done", num_files, out)
         return out
+    # In-process engine: on a 2-core machine a separate engine-core process left the
+    # worker short of CPU (~130 tok/s against ~270 in-process).
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     llm = LLM(str(model_dir), dtype=dtype, max_model_len=max_prompt_tokens + max_new_tokens,
               kv_cache_memory_bytes=kv_cache_bytes, max_num_seqs=max_num_seqs, enforce_eager=True,
               disable_log_stats=True)
