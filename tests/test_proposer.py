@@ -85,7 +85,7 @@ def test_trees_are_sent_breadth_first_and_remembered_while_blocked_requests_get_
     p, heads, model = make_proposer(max_drafts=8, tree="consensus", num_speculative_tokens=3, max_tree_nodes=8)
     assert p.depth == 3 and p.static_shape == consensus_tree(3, max_nodes=8)
     hidden = torch.randn(3, model.config.hidden_size)
-    p.capture_step(hidden, None, ["a", "b", "c"], tree_blockers=[None, "penalties", None])
+    p.capture_step(hidden, None, ["a", "b", "c"], tree_blocker=[None, "penalties", None].__getitem__)
     drafts = p.propose([[11], [12], [13]])
     logits = heads(hidden, token_embeds=model.get_input_embeddings()(torch.tensor([11, 12, 13])),
                    lm_head=model.get_output_embeddings())

@@ -122,13 +122,13 @@ def install_hidden_state_hook() -> None:
         if capture is not None:
             bound = signature.bind(self, *args, **kwargs)
             req_ids = list(self.input_batch.req_ids)
-            blockers = [_tree_blocker_for(self, r) for r in req_ids]
             capture(
                 bound.arguments["sample_hidden_states"],
                 bound.arguments["spec_decode_metadata"],
                 req_ids,
                 tree_rows=getattr(self, "_mtpspec_tree_rows", None),
-                tree_blockers=blockers,
+                # Asked per drafted request only: at large batches nothing is drafted.
+                tree_blocker=lambda i: _tree_blocker_for(self, req_ids[i]),
                 decode_only=_decode_only(bound.arguments.get("scheduler_output")),
             )
         return original(self, *args, **kwargs)

@@ -25,6 +25,7 @@ from __future__ import annotations
 import logging
 import math
 import time
+from collections.abc import Callable
 
 import torch
 
@@ -79,7 +80,7 @@ class MTPSpecProposer:
         self._num_draft_tokens: list[int] | None = None
         self._req_ids: list[str] | None = None
         self._tree_rows: dict[int, int] = {}
-        self._tree_blockers: list[str | None] | None = None
+        self._tree_blocker: Callable[[int], str | None] | None = None
         self._step_was_decode_only = False
         # The largest tree a step may send: the user's node budget within vLLM's.
         self.max_tree_budget = min(self.options.max_tree_nodes, self.max_drafts)
@@ -127,17 +128,18 @@ class MTPSpecProposer:
         return None if self._tree_builder is None else self._tree_builder.static_shape
 
     def capture_step(self, sample_hidden_states: torch.Tensor, spec_decode_metadata, req_ids=None,
-                     tree_rows: dict[int, int] | None = None, tree_blockers: list[str | None] | None = None,
+                     tree_rows: dict[int, int] | None = None, tree_blocker: Callable[[int], str | None] | None = None,
                      decode_only: bool = False) -> None:
         """tree_rows: for requests verified as trees, the row (within the request) of the
-        last accepted node. tree_blockers: per request, why it must get a chain (or None).
+        last accepted node. tree_blocker: by batch index, why a request must get a chain
+        (or None).
         decode_only: the step prefilled no prompt (so its time says what drafting cost)."""
         self._step_was_decode_only = decode_only
         self._sample_hidden_states = sample_hidden_states
         self._num_draft_tokens = None if spec_decode_metadata is None else list(spec_decode_metadata.num_draft_tokens)
         self._req_ids = req_ids
         self._tree_rows = tree_rows or {}
-        self._tree_blockers = tree_blockers
+        self._tree_blocker = tree_blocker
 
     def _doublings_past_backoff(self, num_requests: int) -> int:
         start = self.batch_backoff_start
@@ -246,7 +248,7 @@ class MTPSpecProposer:
         return found
 
     def _blocker(self, batch_index: int) -> str | None:
-        return None if self._tree_blockers is None else self._tree_blockers[batch_index]
+        return None if self._tree_blocker is None else self._tree_blocker(batch_index)
 
     def _tree_allowed(self, batch_index: int, req_ids) -> bool:
         if not self.uses_trees or req_ids is None:
