@@ -22,12 +22,13 @@ def run_demo(*, heads_dir: str, tree: str, num_heads: int, max_tree_nodes: int, 
     model = str(fetch_model("smollm2-135m-instruct", dtype="fp32"))
     prompts = load_prompts_jsonl(DEMO_PROMPTS, limit=limit)
     mtpspec = {"method": "mtpspec", "model": heads_dir, "num_speculative_tokens": num_heads}
+    heads_alone = {**mtpspec, "prompt_lookup_max": 0}
     methods = [
         Method("none", "none", None),
-        Method(f"mtpspec chain, {num_heads} heads", "mtpspec-chain", {**mtpspec, "tree": "chain"}),
+        Method(f"mtpspec chain, {num_heads} heads alone", "mtpspec-chain", {**heads_alone, "tree": "chain"}),
         Method(f"mtpspec {tree} tree, up to {max_tree_nodes} nodes", "mtpspec-tree",
-               {**mtpspec, "tree": tree, "max_tree_nodes": max_tree_nodes}),
-        Method("mtpspec chain + prompt lookup", "mtpspec-chain",
+               {**heads_alone, "tree": tree, "max_tree_nodes": max_tree_nodes}),
+        Method("mtpspec default: chain + prompt lookup", "mtpspec-chain",
                {**mtpspec, "tree": "chain", "prompt_lookup_max": PROMPT_LOOKUP_MAX}),
     ]
     print(f"model: {model}\nheads: {heads_dir}\nstarting {len(methods)} vLLM engines (CPU, fp32) ...")
