@@ -161,8 +161,13 @@ def plot(rows: list[dict], path: Path, title: str) -> None:
     right.set_xticks(range(1, positions + 1))
     right.set_xlabel("draft position (head)")
     right.set_ylabel("accepted drafts per verification step")
-    right.set_title(f"Acceptance per position (greedy, batch {smallest})")
-    right.legend(fontsize=7)
+    if chosen:
+        right.set_title(f"Acceptance per position (greedy, batch {smallest})")
+        right.legend(fontsize=7)
+    else:  # e.g. only batch sizes past the back-off, where nothing is drafted
+        right.set_title("Acceptance per position (greedy)")
+        right.text(0.5, 0.5, "no drafts were verified in this run", ha="center", va="center",
+                   transform=right.transAxes)
     fig.suptitle(title, fontsize=10)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
