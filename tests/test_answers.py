@@ -87,6 +87,7 @@ def test_an_answers_folder_of_another_prompt_list_is_refused_before_generating(t
     write_example(answers_path(tmp_path, 0))  # answers prompts "a", "b"
     prompts = [Prompt("x", "general", pid) for pid in ("a", "b", "c")]
     assert _answered(tmp_path, 0, prompts[:2])
+    assert _answered(tmp_path, 0, prompts[:1])  # a longer list's file serves a shorter list
     # The last file of a smaller prompt list: made again with the prompts it lacks.
     assert not _answered(tmp_path, 0, prompts)
     with pytest.raises(AnswersError, match="answers-00000.npz: field 'ids' answers other prompts.*--answers"):

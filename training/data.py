@@ -112,14 +112,15 @@ def generate_answers(
 
 
 def _answered(answers_dir: Path, index: int, prompts: list[Prompt]) -> bool:
-    """Whether answer file `index` holds answers to exactly these prompts. A file that
-    answers the first of them only (the last file of a smaller prompt list) is made again;
-    one that answers other prompts is refused: the folder belongs to another prompt list."""
+    """Whether answer file `index` answers these prompts. A file of a longer prompt list
+    (these prompts and more after them) serves; one that answers the first of them only
+    (the last file of a shorter list) is made again; one that answers other prompts is
+    refused: the folder belongs to another prompt list."""
     path = answers_path(answers_dir, index)
     if not path.is_file():
         return False
     answered, wanted = prompts_answered(path), [p.id for p in prompts]
-    if answered == wanted:
+    if answered[:len(wanted)] == wanted:
         return True
     if answered == wanted[:len(answered)]:
         return False
