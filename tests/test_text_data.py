@@ -18,16 +18,10 @@ def test_dataset_answers_become_shards_the_training_job_reads(tiny_smol_teacher,
     assert len(shards) == 2  # the prompt without an answer is skipped
     shard = torch.load(shards[1], weights_only=True)
     assert shard["ids"] == ["c"]
-    answer_ids = target.tokenizer.encode("One, two, three.", add_special_tokens=False)[:5]
-    assert shard["tokens"].tolist() == answer_ids
-    # Row r holds the state that predicts answer token r: the target's own top-k there.
-    full = torch.tensor([shard["prompt_ids"][0] + answer_ids])
-    with torch.no_grad():
-        logits = target.model(input_ids=full).logits[0]
-    first = len(shard["prompt_ids"][0]) - 1
-    expected = logits[first:first + len(answer_ids)].topk(4, dim=-1).indices
-    assert torch.equal(shard["topk_ids"].long(), expected)
-    assert shard["hidden"].shape == (len(answer_ids), target.model.config.hidden_size)
+    answer_ids = target.tokenizer.encode("One, two, three.", add_special_tokens=False)
+    assert len(answer_ids) > 5 and shard["tokens"].tolist() == answer_ids[:5]  # cut to max_new_tokens
+    # The rows' teacher-forced distributions are shard_from_answers's, checked in test_answers.py.
+    assert shard["hidden"].shape == (5, target.model.config.hidden_size)
     examples = load_examples(shards, num_heads=2)
     assert len(examples["token"]) > 0 and examples["targets"].shape[1] == 2
     # Written shards are kept: a second run has nothing left to do.

@@ -26,6 +26,8 @@ import logging
 import time
 from dataclasses import dataclass
 
+from vllm_mtpspec.vllm.fallback import tree_blocker
+
 logger = logging.getLogger("vllm_mtpspec")
 
 _installed: set[str] = set()
@@ -147,8 +149,6 @@ def _decode_only(scheduler_output) -> bool:
 
 
 def _tree_blocker_for(runner, req_id: str) -> str | None:
-    from vllm_mtpspec.vllm.fallback import tree_blocker
-
     state = runner.requests.get(req_id)
     return tree_blocker(getattr(state, "sampling_params", None))
 
