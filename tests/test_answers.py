@@ -59,8 +59,12 @@ def test_shards_are_rebuilt_from_answers_by_teacher_forcing(tiny_smol_teacher, t
                   fingerprint=fingerprint, vocab_size=vocab_size)
     write_answers(answers_path(tmp_path / "answers", 1), ["c"], ["math"], prompt_ids[1:], answers[1:],
                   fingerprint=fingerprint, vocab_size=vocab_size)
-    written = shards_from_answers(tiny_smol_teacher, tmp_path / "answers", tmp_path / "shards", top_k=4)
-    assert written == list_shards(tmp_path / "shards") and len(written) == 2
+    # A run on the first N shards reads only the first N answer files.
+    first_only = shards_from_answers(tiny_smol_teacher, tmp_path / "answers", tmp_path / "shards", top_k=4, max_files=1)
+    assert first_only == list_shards(tmp_path / "shards") and len(first_only) == 1
+    rest = shards_from_answers(tiny_smol_teacher, tmp_path / "answers", tmp_path / "shards", top_k=4)
+    written = list_shards(tmp_path / "shards")
+    assert first_only + rest == written and len(written) == 2
     shard = torch.load(written[1], weights_only=True)
     assert shard["ids"] == ["c"] and shard["categories"] == ["math"] and shard["tokens"].tolist() == answers[1]
     # Row r holds the target's distribution where it predicts answer token r.

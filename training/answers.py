@@ -155,14 +155,15 @@ def _newer(path: Path, than: Path) -> bool:
 
 
 def shards_from_answers(model_dir: str | Path, answers_dir: str | Path, out_dir: str | Path, *,
-                        top_k: int = 8) -> list[Path]:
-    """Rebuild the training shard of every answer file that has none, or an older one (the
-    target is loaded only if there is any); returns the shards written."""
+                        top_k: int = 8, max_files: int | None = None) -> list[Path]:
+    """Rebuild the training shard of every answer file (the first max_files only, when set)
+    that has none, or an older one (the target is loaded only if there is any); returns the
+    shards written."""
     from training.data import shard_path, write_shard
     from vllm_mtpspec.checkpoint import model_fingerprint
     from vllm_mtpspec.target import load_target
 
-    todo = [(int(f.stem.split("-")[1]), f) for f in list_answer_files(answers_dir)]
+    todo = [(int(f.stem.split("-")[1]), f) for f in list_answer_files(answers_dir)[:max_files]]
     todo = [(i, f) for i, f in todo if not _newer(shard_path(out_dir, i), f)]
     if not todo:
         return []

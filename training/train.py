@@ -181,8 +181,10 @@ def ensure_data(config: TrainConfig, model_dir: Path) -> tuple[list[Path], list[
                 generate_self_distillation(model_dir, split, data, answers_dir=answers_dir_for(data, answers),
                                            max_new_tokens=config.max_new_tokens)
     else:
-        for data, answers, _ in splits:
-            shards_from_answers(model_dir, answers_dir_for(data, answers), data)
+        for data, answers, held_out in splits:
+            # A run that trains on the first N shards needs only their answers read.
+            shards_from_answers(model_dir, answers_dir_for(data, answers), data,
+                                max_files=None if held_out else config.max_train_shards)
     train_shards = list_shards(config.train_data)
     held_shards = list_shards(config.held_out_data) if config.held_out_data else []
     if not train_shards:
