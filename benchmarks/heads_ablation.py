@@ -18,7 +18,8 @@ MEDUSA_VICUNA_7B_TOP1 = (0.56, 0.32, 0.20, 0.15)  # the Medusa paper (Cai et al.
 def describe(config: dict) -> str:
     data = "dataset text" if config.get("kl_weight") == 0.0 else "self-distilled"
     tied = "tied" if config.get("tied", True) else "untied"
-    return f"{data}, {tied}, {config.get('head_input', 'hidden')}"
+    layer = f", hidden layer {config['mlp_size']}" if config.get("mlp_size") else ""
+    return f"{data}, {tied}, {config.get('head_input', 'hidden')}{layer}"
 
 
 def rows(run_dirs: list[Path]) -> list[dict]:

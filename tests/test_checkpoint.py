@@ -25,6 +25,32 @@ def test_save_and_load_round_trip(heads_dir, tiny_model, tiny_model_dir):
     assert loaded.config.base_model_fingerprint == model_fingerprint(tiny_model_dir)
 
 
+def test_heads_with_a_hidden_layer_round_trip_in_full_and_int2(tmp_path, tiny_model, tiny_model_dir):
+    heads = init_heads(tiny_model, tiny_model_dir, num_heads=3, head_input="hidden+token", mlp_size=96,
+                       init_std=0.05, seed=7)
+    again = init_heads(tiny_model, tiny_model_dir, num_heads=3, head_input="hidden+token", mlp_size=96,
+                       init_std=0.05, seed=7)
+    torch.testing.assert_close(again.block.weight, heads.block.weight)  # the seed fixes the random layer
+    h, e = torch.randn(5, 64), torch.randn(5, 64)
+    lm_head = tiny_model.get_output_embeddings()
+    for saved in (heads, heads.quantized(group_size=32)):
+        loaded = load_heads(save_heads(saved, tmp_path / f"heads-{saved.is_quantized}"))
+        assert loaded.config.mlp_size == 96 and len(loaded.down) == 3
+        torch.testing.assert_close(loaded(h, token_embeds=e, lm_head=lm_head), saved(h, token_embeds=e, lm_head=lm_head))
+
+
+def test_a_hidden_layer_the_weights_lack_is_named(heads_dir):
+    raw = json.loads((heads_dir / "config.json").read_text())
+    raw["mlp_size"] = 32
+    (heads_dir / "config.json").write_text(json.dumps(raw))
+    with pytest.raises(HeadsError, match=r"missing tensors \['down.0.weight'.*mlp_size"):
+        load_heads(heads_dir)
+    raw["mlp_size"] = -1
+    (heads_dir / "config.json").write_text(json.dumps(raw))
+    with pytest.raises(HeadsError, match="mlp_size=-1"):
+        load_heads(heads_dir)
+
+
 def test_quantized_directory_loads_packed(heads_dir, tmp_path):
     qdir = save_heads(load_heads(heads_dir).quantized(group_size=32), tmp_path / "q")
     qheads = load_heads(qdir)

@@ -78,11 +78,33 @@ def test_token_conditioned_heads_need_and_use_the_token_embedding():
     torch.testing.assert_close(a[:, 0], expected0)
 
 
-@pytest.mark.parametrize("tied", [True, False])
-def test_quantized_heads_follow_the_full_precision_heads(tied):
+def test_heads_with_a_hidden_layer_start_as_the_lm_head_and_compute_each_head_alone():
+    torch.manual_seed(5)
+    heads = make_heads(head_input="hidden+token", embed_scale=2.0, mlp_size=24)
+    assert heads.block.out_features == 3 * 24 and [d.weight.shape for d in heads.down] == [(16, 24)] * 3
+    lm_head = CountingLMHead(16, 40)
+    h, e = torch.randn(4, 16), torch.randn(4, 16)
+    untrained = heads(h, token_embeds=e, lm_head=lm_head)
+    for i in range(3):
+        torch.testing.assert_close(untrained[:, i], lm_head.linear(h))
+    for down in heads.down:
+        torch.nn.init.normal_(down.weight, std=0.1)
+    logits = heads(h, token_embeds=e, lm_head=lm_head)
+    assert lm_head.calls == 2  # still one LM-head call for all heads
+    u = torch.cat([h, 2.0 * e], -1)
+    for i in range(3):
+        w, b = heads.block.weight[i * 24:(i + 1) * 24], heads.block.bias[i * 24:(i + 1) * 24]
+        z = h + torch.nn.functional.silu(u @ w.T + b) @ heads.down[i].weight.T
+        torch.testing.assert_close(logits[:, i], lm_head.linear(z))
+
+
+@pytest.mark.parametrize("tied,mlp_size", [(True, 0), (False, 0), (True, 96)])
+def test_quantized_heads_follow_the_full_precision_heads(tied, mlp_size):
     torch.manual_seed(3)
-    heads = make_heads(tied=tied, hidden_size=64, vocab_size=50)
+    heads = make_heads(tied=tied, hidden_size=64, vocab_size=50, mlp_size=mlp_size)
     torch.nn.init.normal_(heads.block.weight, std=0.05)
+    for down in heads.down or []:
+        torch.nn.init.normal_(down.weight, std=0.05)
     if not tied:
         for proj in heads.proj:
             torch.nn.init.normal_(proj.weight, std=0.05)

@@ -35,6 +35,7 @@ class TrainConfig:
     num_heads: int = 4
     tied: bool = True
     head_input: str = "hidden"
+    mlp_size: int = 0                          # each head's hidden layer (0: none; see HeadsConfig)
     # Optimisation
     epochs: int = 2
     max_steps: int | None = None

@@ -239,7 +239,8 @@ def run_training(config: TrainConfig) -> dict:
     if not (init_dir / "config.json").is_file():
         base = load_target(str(heads_base), dtype="fp32")
         save_heads(init_heads(base.model, heads_base, num_heads=config.num_heads, tied=config.tied,
-                              head_input=config.head_input, init_std=0.0, seed=config.seed), init_dir)
+                              head_input=config.head_input, mlp_size=config.mlp_size, init_std=0.0,
+                              seed=config.seed), init_dir)
         del base
     connect_ray(config)
     ray.data.DataContext.get_current().enable_progress_bars = False  # the training bar is the one to watch

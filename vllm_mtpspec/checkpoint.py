@@ -80,7 +80,7 @@ def load_heads(heads_dir: str | Path, *, device: str | torch.device = "cpu", dty
     if missing or unexpected:
         raise HeadsError(
             f"{weights_path} does not match {path / CONFIG_FILE}: missing tensors {missing}, "
-            f"unexpected tensors {unexpected} (num_heads, tied or quantization disagree)"
+            f"unexpected tensors {unexpected} (num_heads, tied, mlp_size or quantization disagree)"
         )
     for name, tensor in state.items():
         if tuple(tensor.shape) != tuple(expected[name].shape):

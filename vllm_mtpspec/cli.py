@@ -44,7 +44,7 @@ def cmd_heads_init(args) -> int:
 
     target = load_target(args.model, dtype="fp32")
     heads = init_heads(target.model, target.model_dir, num_heads=args.num_heads, tied=args.tied,
-                       head_input=args.head_input, init_std=args.init_std, seed=args.seed)
+                       head_input=args.head_input, mlp_size=args.mlp_size, init_std=args.init_std, seed=args.seed)
     out = save_heads(heads, args.out)
     print(out)
     return 0
@@ -57,9 +57,9 @@ def heads_summary(heads_dir: str | Path) -> dict:
     config = heads.config
     weights = [t for name, t in heads.state_dict().items() if not name.endswith("bias")]
     quantized_bits = sum(t.numel() * t.element_size() * 8 for t in weights)
-    num_weights = (
-        heads.block.in_features * heads.block.out_features
-        + (0 if heads.proj is None else sum(p.in_features * p.out_features for p in heads.proj))
+    num_weights = sum(
+        linear.in_features * linear.out_features
+        for linear in [heads.block, *(heads.down or []), *(heads.proj or [])]
     )
     in_memory = heads.nbytes()
     base = config.base_model_num_params
@@ -70,6 +70,7 @@ def heads_summary(heads_dir: str | Path) -> dict:
         "vocab_size": config.vocab_size,
         "tied": config.tied,
         "head_input": config.head_input,
+        "mlp_size": config.mlp_size,
         "quantization": None if config.quantization is None else vars(config.quantization),
         "temperatures": config.temperatures,
         "base_model": config.base_model_name,
@@ -276,7 +277,11 @@ def build_parser() -> argparse.ArgumentParser:
     tied.add_argument("--untied", dest="tied", action="store_false", help="one d x |V| projection per head (Medusa)")
     p.add_argument("--head-input", choices=HEAD_INPUTS, default="hidden",
                    help="'hidden': h_t alone; 'hidden+token': h_t and the embedding of the token sampled from it")
-    p.add_argument("--init-std", type=float, default=0.02, help="std of the blocks' random init (0: zero, as Medusa)")
+    p.add_argument("--mlp-size", type=int, default=0,
+                   help="width of each head's hidden layer (0: none, Medusa's single residual layer; "
+                        "the shipped SmolLM2 heads use 2 x hidden size)")
+    p.add_argument("--init-std", type=float, default=0.02,
+                   help="std of the random init of each head's last matrix (0: zero, as Medusa)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", required=True, help="heads directory to write")
     p.set_defaults(func=cmd_heads_init)

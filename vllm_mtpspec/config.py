@@ -55,6 +55,10 @@ class HeadsConfig:
     head_input: str = "hidden"
     # Multiplies the token embedding so that it is on the hidden state's scale.
     embed_scale: float = 1.0
+    # Width of each head's hidden layer; 0 = no hidden layer (Medusa's single residual
+    # layer). A hidden layer of 2 * hidden_size lifted every head's top-1 on SmolLM2
+    # (benchmarks/results/heads_ablation.md).
+    mlp_size: int = 0
     temperatures: list[float] = field(default_factory=list)
     quantization: QuantConfig | None = None
     base_model_fingerprint: str = ""
@@ -70,6 +74,8 @@ class HeadsConfig:
             raise ConfigError(f"num_heads={self.num_heads}: need at least one head")
         if self.head_input not in HEAD_INPUTS:
             raise ConfigError(f"head_input={self.head_input!r}: choose one of {HEAD_INPUTS}")
+        if self.mlp_size < 0:
+            raise ConfigError(f"mlp_size={self.mlp_size}: must be >= 0 (0 = no hidden layer)")
         if not self.temperatures:
             self.temperatures = [1.0] * self.num_heads
         if len(self.temperatures) != self.num_heads:

@@ -3,16 +3,21 @@
 Head i (0-based) guesses token x_{t+i+2}: the target's own LM head on h_t gives x_{t+1},
 so head 0 looks one token further. Each head is a residual block
 
-    z_i = h + SiLU(W_i u + b_i),   u = h            (head_input="hidden", Medusa)
-                                   u = [h; s * e]   (head_input="hidden+token")
+    z_i = h + SiLU(W_i u + b_i)            (mlp_size=0: Medusa's single layer)
+    z_i = h + D_i SiLU(W_i u + b_i)        (mlp_size=m: a hidden layer of width m)
+
+    u = h            (head_input="hidden", Medusa)
+    u = [h; s * e]   (head_input="hidden+token")
 
 where e is the target's input embedding of x_{t+1} (known when drafting) and s puts it on
 h's scale. All heads read the same u, so every W_i is one row block of a single
-[k * d, in] matrix: all heads run in one matmul. z_i then goes through a vocab
-projection: the target's own LM head (tied: one call over all k heads) or the head's
-own d x |V| matrix (untied, initialised from the LM head as Medusa does).
+[k * m, in] matrix: all heads run in one matmul (and the k down-projections D_i [d, m] in
+one batched matmul). z_i then goes through a vocab projection: the target's own LM head
+(tied: one call over all k heads) or the head's own d x |V| matrix (untied, initialised
+from the LM head as Medusa does).
 
-W is zero-initialised, so an untrained head starts as the target's LM head on h.
+The last matrix of each head (W without a hidden layer, D with one) starts at zero, so an
+untrained head starts as the target's LM head on h.
 """
 from __future__ import annotations
 
@@ -34,21 +39,28 @@ class MTPHeads(nn.Module):
         self.config = config
         k, d, vocab = config.num_heads, config.hidden_size, config.vocab_size
         in_dim = 2 * d if config.token_conditioned else d
+        width = config.mlp_size or d
         quant = config.quantization
+
+        def linear(n_in: int, n_out: int, *, bias: bool) -> nn.Module:
+            if quant is None:
+                return nn.Linear(n_in, n_out, bias=bias)
+            return empty_int2_linear(n_in, n_out, group_size=quant.group_size, bias=bias)
+
+        self.block = linear(in_dim, k * width, bias=True)
+        # With a hidden layer the down-projections start at zero (W keeps its random init,
+        # or nothing would reach D's gradient); without one, W itself does.
+        self.down: nn.ModuleList | None = None
+        if config.mlp_size:
+            self.down = nn.ModuleList(linear(width, d, bias=False) for _ in range(k))
         if quant is None:
-            self.block = nn.Linear(in_dim, k * d)
-            nn.init.zeros_(self.block.weight)
-            nn.init.zeros_(self.block.bias)
-        else:
-            self.block = empty_int2_linear(in_dim, k * d, group_size=quant.group_size, bias=True)
+            for last in (self.block,) if self.down is None else self.down:
+                nn.init.zeros_(last.weight)
+                if last.bias is not None:
+                    nn.init.zeros_(last.bias)
         self.proj: nn.ModuleList | None = None
         if not config.tied:
-            if quant is None:
-                self.proj = nn.ModuleList(nn.Linear(d, vocab, bias=False) for _ in range(k))
-            else:
-                self.proj = nn.ModuleList(
-                    empty_int2_linear(d, vocab, group_size=quant.group_size, bias=False) for _ in range(k)
-                )
+            self.proj = nn.ModuleList(linear(d, vocab, bias=False) for _ in range(k))
         self.register_buffer("temperatures", torch.tensor(config.temperatures, dtype=torch.float32), persistent=False)
 
     @property
@@ -75,8 +87,13 @@ class MTPHeads(nn.Module):
             u = torch.cat([h, token_embeds.to(h.dtype) * self.config.embed_scale], dim=-1)
         else:
             u = h
-        delta = F.silu(self.block(u.to(self._param_dtype())).to(h.dtype))
         k, d = self.config.num_heads, self.config.hidden_size
+        pre = self.block(u.to(self._param_dtype()))
+        if self.down is None:
+            delta = F.silu(pre.to(h.dtype))
+        else:
+            act = F.silu(pre).view(-1, k, self.config.mlp_size)
+            delta = _per_head_linear(act, self.down, self.is_quantized).to(h.dtype)
         return h.unsqueeze(-2) + delta.view(*h.shape[:-1], k, d)
 
     def project(self, head_hidden: torch.Tensor, lm_head: LMHead | None = None) -> torch.Tensor:
@@ -92,12 +109,7 @@ class MTPHeads(nn.Module):
             logits = lm_head(head_hidden.reshape(-1, d))
             return logits.view(*lead, k, logits.shape[-1])
         flat = head_hidden.reshape(-1, k, d).to(self._param_dtype())
-        if self.is_quantized:
-            per_head = [proj(flat[:, i]) for i, proj in enumerate(self.proj[:k])]
-            logits = torch.stack(per_head, dim=1)
-        else:  # one batched matmul over all heads
-            weight = torch.stack([proj.weight for proj in self.proj[:k]])  # [k, V, d]
-            logits = torch.einsum("nkd,kvd->nkv", flat, weight)
+        logits = _per_head_linear(flat, self.proj[:k], self.is_quantized)
         return logits.view(*lead, k, logits.shape[-1])
 
     def forward(
@@ -122,7 +134,7 @@ class MTPHeads(nn.Module):
         return sum(t.numel() * t.element_size() for t in self.state_dict().values())
 
     def quantized(self, *, group_size: int = 64) -> "MTPHeads":
-        """A 2-bit copy of these heads (block and own projections; biases stay in fp32)."""
+        """A 2-bit copy of these heads (every matrix; biases stay in fp32)."""
         if self.is_quantized:
             raise ValueError("these heads are already quantized")
         from vllm_mtpspec.config import QuantConfig
@@ -132,9 +144,21 @@ class MTPHeads(nn.Module):
         out = MTPHeads.__new__(MTPHeads)
         nn.Module.__init__(out)
         out.config = config
+        def int2(linears: nn.ModuleList | None) -> nn.ModuleList | None:
+            if linears is None:
+                return None
+            return nn.ModuleList(Int2Linear.from_linear(p.float(), group_size=group_size) for p in linears)
+
         out.block = Int2Linear.from_linear(self.block.float(), group_size=group_size)
-        out.proj = None
-        if self.proj is not None:
-            out.proj = nn.ModuleList(Int2Linear.from_linear(p.float(), group_size=group_size) for p in self.proj)
+        out.down = int2(self.down)
+        out.proj = int2(self.proj)
         out.register_buffer("temperatures", self.temperatures.clone(), persistent=False)
         return out
+
+
+def _per_head_linear(x: torch.Tensor, linears: nn.ModuleList, quantized: bool) -> torch.Tensor:
+    """x [n, k, in] -> [n, k, out]: head i's slice through linears[i] (bias-free)."""
+    if quantized:  # packed weights: one kernel call per head
+        return torch.stack([linear(x[:, i]) for i, linear in enumerate(linears)], dim=1)
+    weight = torch.stack([linear.weight for linear in linears])  # [k, out, in]: one batched matmul
+    return torch.einsum("nki,koi->nko", x, weight)

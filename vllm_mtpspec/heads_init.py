@@ -34,11 +34,13 @@ def init_heads(
     num_heads: int,
     tied: bool = True,
     head_input: str = "hidden",
+    mlp_size: int = 0,
     init_std: float = 0.0,
     seed: int = 0,
 ) -> MTPHeads:
-    """Heads whose blocks start at zero (Medusa; init_std > 0 draws them at random) and,
-    when untied, whose projections start as copies of the model's LM head."""
+    """Heads that start as the model's LM head: their last matrix is zero (Medusa;
+    init_std > 0 draws it at random) and, when untied, their projections are copies of
+    the LM head."""
     cfg = model.config
     config = HeadsConfig(
         num_heads=num_heads,
@@ -46,15 +48,19 @@ def init_heads(
         vocab_size=cfg.vocab_size,
         tied=tied,
         head_input=head_input,
+        mlp_size=mlp_size,
         embed_scale=embedding_scale(model) if head_input == "hidden+token" else 1.0,
         base_model_fingerprint=model_fingerprint(model_dir),
         base_model_name=model_display_name(model_dir),
         base_model_num_params=sum(p.numel() for p in model.parameters()),
     )
-    heads = MTPHeads(config)
+    with torch.random.fork_rng():  # the hidden layer's random init: same seed, same heads
+        torch.manual_seed(seed)
+        heads = MTPHeads(config)
     if init_std > 0:
         generator = torch.Generator().manual_seed(seed)
         with torch.no_grad():
-            heads.block.weight.normal_(0.0, init_std, generator=generator)
+            for last in [heads.block] if heads.down is None else heads.down:
+                last.weight.normal_(0.0, init_std, generator=generator)
     heads.init_projections_from(model.get_output_embeddings().weight.detach().float())
     return heads
