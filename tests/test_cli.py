@@ -7,7 +7,7 @@ import pytest
 from vllm_mtpspec.cli import build_parser, main
 
 SUBCOMMANDS = [[], ["models"], ["models", "fetch"], ["models", "list"], ["heads"], ["heads", "init"],
-               ["heads", "info"], ["heads", "quantize"], ["decode"], ["demo"]]
+               ["heads", "info"], ["heads", "quantize"], ["heads", "cast"], ["decode"], ["demo"]]
 
 
 @pytest.mark.parametrize("words", SUBCOMMANDS, ids=lambda w: " ".join(w) or "mtpspec")
@@ -36,6 +36,29 @@ def test_heads_init_info_quantize_on_a_model_folder(tiny_model_dir, tmp_path, ca
     qinfo = json.loads(capsys.readouterr().out)
     assert qinfo["bits_per_weight"] == 2.0 + 32 / 32  # 2-bit codes + fp16 scale and min per 32
     assert qinfo["bytes_on_disk"] < info["bytes_on_disk"] / 8
+
+
+def test_heads_cast_halves_the_file_and_keeps_the_heads(tiny_model, tiny_model_dir, tmp_path, capsys):
+    import torch
+    from safetensors import safe_open
+
+    from vllm_mtpspec.checkpoint import load_heads
+
+    out = tmp_path / "heads"
+    assert main(["heads", "init", "--model", str(tiny_model_dir), "--num-heads", "3", "--mlp-size", "96",
+                 "--head-input", "hidden+token", "--out", str(out)]) == 0
+    assert main(["heads", "cast", str(out), "--out", str(tmp_path / "half")]) == 0
+    with safe_open(str(tmp_path / "half" / "heads.safetensors"), framework="pt") as f:
+        assert {f.get_tensor(name).dtype for name in f.keys()} == {torch.float16}
+    assert (tmp_path / "half" / "heads.safetensors").stat().st_size < 0.55 * (out / "heads.safetensors").stat().st_size
+    full, half = load_heads(out), load_heads(tmp_path / "half")  # loads into the heads' fp32 parameters
+    h, e = torch.randn(4, 64), torch.randn(4, 64)
+    lm_head = tiny_model.get_output_embeddings()
+    torch.testing.assert_close(half(h, token_embeds=e, lm_head=lm_head), full(h, token_embeds=e, lm_head=lm_head),
+                               rtol=1e-2, atol=1e-2)
+    assert main(["heads", "quantize", str(out), "--out", str(tmp_path / "q"), "--group-size", "32"]) == 0
+    assert main(["heads", "cast", str(tmp_path / "q"), "--out", str(tmp_path / "q16")]) == 2
+    assert "INT2 heads keep their packed codes" in capsys.readouterr().err
 
 
 def test_errors_name_the_problem_and_exit_2(tiny_model_dir, tmp_path, capsys):

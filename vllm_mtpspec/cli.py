@@ -104,6 +104,21 @@ def cmd_heads_quantize(args) -> int:
     return 0
 
 
+STORAGE_DTYPES = {"fp16": "float16", "bf16": "bfloat16", "fp32": "float32"}
+
+
+def cmd_heads_cast(args) -> int:
+    import torch
+
+    from vllm_mtpspec.checkpoint import HeadsError, load_heads, save_heads
+
+    heads = load_heads(args.dir, dtype=getattr(torch, STORAGE_DTYPES[args.dtype]))
+    if heads.is_quantized:
+        raise HeadsError(f"{args.dir}: INT2 heads keep their packed codes; cast the full-precision heads instead")
+    print(save_heads(heads, args.out))
+    return 0
+
+
 # ---------------------------------------------------------------- decode
 def decode_prompts(target, heads, prompts, *, options, max_new_tokens: int, temperature: float,
                    seed: int, check_lossless: bool, progress: bool = True):
@@ -296,6 +311,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--group-size", type=int, default=64, help="inputs per scale/minimum pair (multiple of 4; default 64)")
     p.add_argument("--out", required=True)
     p.set_defaults(func=cmd_heads_quantize)
+    p = heads.add_parser("cast", help="write a copy of a heads directory with its weights stored in fp16/bf16",
+                         description="Halves the file; the heads run in the target's dtype whatever they are "
+                                     "stored in (vLLM and the reference decoder cast them when loading).")
+    p.add_argument("dir")
+    p.add_argument("--dtype", choices=sorted(STORAGE_DTYPES), default="fp16", help="storage dtype (default fp16)")
+    p.add_argument("--out", required=True)
+    p.set_defaults(func=cmd_heads_cast)
 
     p = sub.add_parser("decode", help="speculative decoding with the reference (transformers) decoder",
                        description="Decodes prompts with heads and a draft tree, printing text and per-step accepted "
