@@ -11,8 +11,8 @@ so head 0 looks one token further. Each head is a residual block
 
 where e is the target's input embedding of x_{t+1} (known when drafting) and s puts it on
 h's scale. All heads read the same u, so every W_i is one row block of a single
-[k * m, in] matrix: all heads run in one matmul (and the k down-projections D_i [d, m] in
-one batched matmul). z_i then goes through a vocab projection: the target's own LM head
+[k * m, in] matrix: all heads run in one matmul (then each D_i [d, m] on its own slice).
+z_i then goes through a vocab projection: the target's own LM head
 (tied: one call over all k heads) or the head's own d x |V| matrix (untied, initialised
 from the LM head as Medusa does).
 
@@ -93,7 +93,7 @@ class MTPHeads(nn.Module):
             delta = F.silu(pre.to(h.dtype))
         else:
             act = F.silu(pre).view(-1, k, self.config.mlp_size)
-            delta = _per_head_linear(act, self.down, self.is_quantized).to(h.dtype)
+            delta = _per_head_linear(act, self.down).to(h.dtype)
         return h.unsqueeze(-2) + delta.view(*h.shape[:-1], k, d)
 
     def project(self, head_hidden: torch.Tensor, lm_head: LMHead | None = None) -> torch.Tensor:
@@ -109,7 +109,7 @@ class MTPHeads(nn.Module):
             logits = lm_head(head_hidden.reshape(-1, d))
             return logits.view(*lead, k, logits.shape[-1])
         flat = head_hidden.reshape(-1, k, d).to(self._param_dtype())
-        logits = _per_head_linear(flat, self.proj[:k], self.is_quantized)
+        logits = _per_head_linear(flat, self.proj[:k])
         return logits.view(*lead, k, logits.shape[-1])
 
     def forward(
@@ -144,6 +144,7 @@ class MTPHeads(nn.Module):
         out = MTPHeads.__new__(MTPHeads)
         nn.Module.__init__(out)
         out.config = config
+
         def int2(linears: nn.ModuleList | None) -> nn.ModuleList | None:
             if linears is None:
                 return None
@@ -156,9 +157,10 @@ class MTPHeads(nn.Module):
         return out
 
 
-def _per_head_linear(x: torch.Tensor, linears: nn.ModuleList, quantized: bool) -> torch.Tensor:
-    """x [n, k, in] -> [n, k, out]: head i's slice through linears[i] (bias-free)."""
-    if quantized:  # packed weights: one kernel call per head
-        return torch.stack([linear(x[:, i]) for i, linear in enumerate(linears)], dim=1)
-    weight = torch.stack([linear.weight for linear in linears])  # [k, out, in]: one batched matmul
-    return torch.einsum("nki,koi->nko", x, weight)
+def _per_head_linear(x: torch.Tensor, linears: nn.ModuleList) -> torch.Tensor:
+    """x [n, k, in] -> [n, k, out]: head i's slice through linears[i].
+
+    One call per head rather than one batched matmul: batching would first stack the k
+    weight matrices, a copy of every weight on every draft step (450 MB for untied heads).
+    """
+    return torch.stack([linear(x[:, i]) for i, linear in enumerate(linears)], dim=1)
