@@ -122,6 +122,31 @@ def test_clear_errors(tiny_smol_teacher, tmp_path):
         TrainConfig(mode="cotrain")
 
 
+def test_training_continues_from_earlier_heads_of_the_same_shape_and_model(tiny_smol_teacher, tiny_smol_student,
+                                                                            tmp_path):
+    from vllm_mtpspec.checkpoint import HeadsError, save_heads
+    from vllm_mtpspec.heads_init import init_heads
+    from training.train import initial_heads
+
+    teacher = load_target(str(tiny_smol_teacher), dtype="fp32")
+    earlier = init_heads(teacher.model, tiny_smol_teacher, num_heads=2, head_input="hidden+token", mlp_size=32,
+                         init_std=0.05, seed=3)
+    earlier_dir = save_heads(earlier, tmp_path / "earlier")
+    config = TrainConfig(model=str(tiny_smol_teacher), num_heads=2, head_input="hidden+token", mlp_size=32,
+                         init_from=str(earlier_dir))
+    start = initial_heads(config, Path(tiny_smol_teacher))
+    for name, tensor in earlier.state_dict().items():
+        torch.testing.assert_close(start.state_dict()[name], tensor)
+    fresh = initial_heads(TrainConfig(model=str(tiny_smol_teacher), num_heads=2, head_input="hidden+token",
+                                      mlp_size=32), Path(tiny_smol_teacher))
+    assert not torch.equal(fresh.down[0].weight, earlier.down[0].weight)  # fresh heads start at zero there
+    with pytest.raises(TrainConfigError, match=r"init_from=.*earlier: its heads have \{'mlp_size': 32\}.*'mlp_size': 0"):
+        initial_heads(TrainConfig(model=str(tiny_smol_teacher), num_heads=2, head_input="hidden+token",
+                                  init_from=str(earlier_dir)), Path(tiny_smol_teacher))
+    with pytest.raises(HeadsError, match="another model of the same shape"):
+        initial_heads(config, Path(tiny_smol_student))
+
+
 def test_unreachable_ray_address_is_a_clear_error(tmp_path):
     import ray
 

@@ -36,6 +36,7 @@ class TrainConfig:
     tied: bool = True
     head_input: str = "hidden"
     mlp_size: int = 0                          # each head's hidden layer (0: none; see HeadsConfig)
+    init_from: str | None = None               # a heads directory to train further (None: fresh heads)
     # Optimisation
     epochs: int = 2
     max_steps: int | None = None

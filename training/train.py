@@ -216,6 +216,35 @@ def connect_ray(config: TrainConfig) -> None:
         ) from None
 
 
+def initial_heads(config: TrainConfig, heads_base: Path):
+    """Fresh heads that start as the model's LM head or, with `init_from`, the heads of an
+    earlier run to train further (same shape, same model)."""
+    from vllm_mtpspec.checkpoint import check_heads_match_model, load_heads, model_fingerprint
+    from vllm_mtpspec.heads_init import init_heads
+    from vllm_mtpspec.target import load_target
+
+    if config.init_from is None:
+        base = load_target(str(heads_base), dtype="fp32")
+        return init_heads(base.model, heads_base, num_heads=config.num_heads, tied=config.tied,
+                          head_input=config.head_input, mlp_size=config.mlp_size, init_std=0.0, seed=config.seed)
+    heads = load_heads(config.init_from)
+    if heads.is_quantized:
+        raise TrainConfigError(f"init_from={config.init_from}: INT2 heads cannot train further; "
+                               "pass the full-precision heads directory")
+    asked = {"num_heads": config.num_heads, "tied": config.tied, "head_input": config.head_input,
+             "mlp_size": config.mlp_size}
+    found = {key: getattr(heads.config, key) for key in asked}
+    if found != asked:
+        differ = sorted(key for key in asked if found[key] != asked[key])
+        raise TrainConfigError(
+            f"init_from={config.init_from}: its heads have {({k: found[k] for k in differ})}, the training config "
+            f"asks for {({k: asked[k] for k in differ})}; set these fields to match the heads")
+    base_config = json.loads((heads_base / "config.json").read_text())
+    check_heads_match_model(heads.config, heads_dir=config.init_from, hidden_size=base_config["hidden_size"],
+                            vocab_size=base_config["vocab_size"], fingerprint=model_fingerprint(heads_base))
+    return heads
+
+
 def run_training(config: TrainConfig) -> dict:
     """Trains, exports and evaluates; returns the run summary (also written as JSON)."""
     import ray
@@ -224,9 +253,7 @@ def run_training(config: TrainConfig) -> dict:
     from ray.train.torch import TorchTrainer
 
     from vllm_mtpspec.checkpoint import save_heads
-    from vllm_mtpspec.heads_init import init_heads
     from vllm_mtpspec.models import resolve_model
-    from vllm_mtpspec.target import load_target
 
     started = time.time()
     model_dir = resolve_model(config.model, dtype="fp32")
@@ -237,11 +264,7 @@ def run_training(config: TrainConfig) -> dict:
     # Heads belong to the model whose hidden states they read: the student when co-training.
     heads_base = Path(config.student) if config.mode == "cotrain" else model_dir
     if not (init_dir / "config.json").is_file():
-        base = load_target(str(heads_base), dtype="fp32")
-        save_heads(init_heads(base.model, heads_base, num_heads=config.num_heads, tied=config.tied,
-                              head_input=config.head_input, mlp_size=config.mlp_size, init_std=0.0,
-                              seed=config.seed), init_dir)
-        del base
+        save_heads(initial_heads(config, heads_base), init_dir)
     connect_ray(config)
     ray.data.DataContext.get_current().enable_progress_bars = False  # the training bar is the one to watch
     offsets = [torch.load(p, weights_only=True)["offsets"] for p in train_shards]
