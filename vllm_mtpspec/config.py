@@ -56,8 +56,8 @@ class HeadsConfig:
     # Multiplies the token embedding so that it is on the hidden state's scale.
     embed_scale: float = 1.0
     # Width of each head's hidden layer; 0 = no hidden layer (Medusa's single residual
-    # layer). A hidden layer of 2 * hidden_size lifted every head's top-1 on SmolLM2
-    # (benchmarks/results/heads_ablation.md).
+    # layer). A hidden layer of 2-4 x hidden_size lifted every head's top-1 on SmolLM2
+    # (benchmarks/results/head_block_sweep.md); the shipped heads use 4x.
     mlp_size: int = 0
     temperatures: list[float] = field(default_factory=list)
     quantization: QuantConfig | None = None
