@@ -54,7 +54,7 @@ class MTPHeads(nn.Module):
         if config.mlp_size:
             self.down = nn.ModuleList(linear(width, d, bias=False) for _ in range(k))
         if quant is None:
-            for last in (self.block,) if self.down is None else self.down:
+            for last in self.last_layers():
                 nn.init.zeros_(last.weight)
                 if last.bias is not None:
                     nn.init.zeros_(last.bias)
@@ -62,6 +62,11 @@ class MTPHeads(nn.Module):
         if not config.tied:
             self.proj = nn.ModuleList(linear(d, vocab, bias=False) for _ in range(k))
         self.register_buffer("temperatures", torch.tensor(config.temperatures, dtype=torch.float32), persistent=False)
+
+    def last_layers(self) -> list[nn.Module]:
+        """The matrices whose output is each head's change to h: zero makes the head the
+        LM head (the block without a hidden layer, the down-projections with one)."""
+        return [self.block] if self.down is None else list(self.down)
 
     @property
     def num_heads(self) -> int:

@@ -60,7 +60,7 @@ def init_heads(
     if init_std > 0:
         generator = torch.Generator().manual_seed(seed)
         with torch.no_grad():
-            for last in [heads.block] if heads.down is None else heads.down:
+            for last in heads.last_layers():
                 last.weight.normal_(0.0, init_std, generator=generator)
     heads.init_projections_from(model.get_output_embeddings().weight.detach().float())
     return heads
