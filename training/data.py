@@ -51,9 +51,16 @@ def write_shard(out_dir: str | Path, index: int, shard: dict) -> Path:
 
 
 def encode_prompt(tokenizer, prompt: Prompt, max_prompt_tokens: int) -> list[int]:
-    """The prompt as the target sees it: chat template, cut to its last max_prompt_tokens."""
-    ids = tokenizer.encode(apply_chat_template(tokenizer, prompt.text), add_special_tokens=False)
-    return ids[-max_prompt_tokens:]
+    """The prompt as the target sees it: chat template over the conversation so far. A
+    conversation longer than max_prompt_tokens loses its oldest exchanges (user turn and
+    answer together, so the template stays well formed); a single turn that is still too
+    long is cut to its last max_prompt_tokens."""
+    history = prompt.history
+    while True:
+        ids = tokenizer.encode(apply_chat_template(tokenizer, prompt.text, history), add_special_tokens=False)
+        if len(ids) <= max_prompt_tokens or not history:
+            return ids[-max_prompt_tokens:]
+        history = history[2:]
 
 
 def answers_dir_for(out_dir: str | Path, answers_dir: str | Path | None = None) -> Path:
@@ -71,6 +78,7 @@ def generate_answers(
     dtype: str = "float32",
     kv_cache_bytes: int = 1 << 30,
     max_num_seqs: int = 64,
+    source: str | None = None,
 ) -> Path:
     """The target's greedy answers, one answer file per shard_size prompts (file i holds
     prompts[i * shard_size:(i + 1) * shard_size]); files already there are kept."""
@@ -99,12 +107,14 @@ def generate_answers(
     for index in bar:
         batch = prompts[index * shard_size:(index + 1) * shard_size]
         prompt_ids = [encode_prompt(tokenizer, prompt, max_prompt_tokens) for prompt in batch]
+        file_started = time.perf_counter()
         # LLM.generate returns the outputs in the order of its inputs.
         outputs = llm.generate([{"prompt_token_ids": ids} for ids in prompt_ids], params, use_tqdm=False)
         answers = [list(o.outputs[0].token_ids) for o in outputs]
         write_answers(answers_path(out, index), [p.id for p in batch], [p.category for p in batch], prompt_ids,
                       answers, fingerprint=fingerprint, vocab_size=vocab_size, max_new_tokens=max_new_tokens,
-                      max_prompt_tokens=max_prompt_tokens, dtype=dtype)
+                      max_prompt_tokens=max_prompt_tokens, dtype=dtype, source=source,
+                      generation_seconds=round(time.perf_counter() - file_started, 1))
         done_tokens += sum(len(a) for a in answers)
         bar.set_postfix(tokens=done_tokens, tok_per_s=f"{done_tokens / (time.perf_counter() - started):.0f}")
     del llm
@@ -149,7 +159,7 @@ def generate_self_distillation(
 
 
 def main(argv: list[str] | None = None) -> None:
-    from training.prompts import is_held_out, load_training_prompts, sharegpt_prompts
+    from training.prompts import is_held_out, load_prompt_source
     from vllm_mtpspec.models import resolve_model
 
     parser = argparse.ArgumentParser(
@@ -159,7 +169,8 @@ def main(argv: list[str] | None = None) -> None:
                     "answer files and shards are kept.",
     )
     parser.add_argument("--model", default="smollm2-135m-instruct", help="a known model name or an HF folder")
-    parser.add_argument("--prompts", default="sharegpt", help="'sharegpt' (the PyPI copy), or a JSONL / ShareGPT JSON / text file")
+    parser.add_argument("--prompts", default="sharegpt", help="'sharegpt' (first turns of the PyPI copy), 'sharegpt-later-turns' (every later turn, with "
+                             "the conversation before it as context), or a JSONL / ShareGPT JSON / text file")
     parser.add_argument("--out", required=True, help="folder for shard-*.pt (existing shards are kept)")
     parser.add_argument("--answers", default=None, help="folder for answers-*.npz (default: OUT/answers)")
     parser.add_argument("--answers-only", action="store_true",
@@ -168,13 +179,15 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--max-new-tokens", type=int, default=256)
     parser.add_argument("--max-prompt-tokens", type=int, default=384)
     parser.add_argument("--shard-size", type=int, default=64)
+    parser.add_argument("--kv-cache-gib", type=int, default=1,
+                        help="vLLM's KV cache; long prompts want more to keep max_num_seqs of them running")
     parser.add_argument("--top-k", type=int, default=8, help="how much of the target's distribution to keep")
     parser.add_argument("--split", choices=("train", "held-out", "all"), default="train")
     # fp32: on CPUs without native bf16 (AVX2) vLLM's fp32 path is far faster.
     parser.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
-    prompts = sharegpt_prompts() if args.prompts == "sharegpt" else load_training_prompts(args.prompts)
+    prompts = load_prompt_source(args.prompts)
     if args.split != "all":
         want_held_out = args.split == "held-out"
         prompts = [p for p in prompts if is_held_out(p.id) == want_held_out]
@@ -184,7 +197,7 @@ def main(argv: list[str] | None = None) -> None:
     logger.info("%d prompts -> answers in %s%s", len(prompts), answers_dir,
                 "" if args.answers_only else f", shards in {args.out}")
     generation = dict(max_new_tokens=args.max_new_tokens, max_prompt_tokens=args.max_prompt_tokens,
-                      shard_size=args.shard_size, dtype={"fp32": "float32", "bf16": "bfloat16"}[args.dtype])
+                      shard_size=args.shard_size, source=args.prompts, kv_cache_bytes=args.kv_cache_gib << 30, dtype={"fp32": "float32", "bf16": "bfloat16"}[args.dtype])
     if args.answers_only:
         generate_answers(model_dir, prompts, answers_dir, **generation)
     else:

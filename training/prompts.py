@@ -60,8 +60,13 @@ def guess_category(text: str) -> str:
     return "general"
 
 
+TURN_SEPARATOR = "#"  # a later turn's id: "<conversation id>#<turn>"
+
+
 def is_held_out(prompt_id: str) -> bool:
-    return int(hashlib.sha1(prompt_id.encode()).hexdigest(), 16) % HELD_OUT_EVERY == 0
+    """Chosen by the conversation's id, so every turn of a held-out conversation is held out."""
+    conversation = prompt_id.split(TURN_SEPARATOR, 1)[0]
+    return int(hashlib.sha1(conversation.encode()).hexdigest(), 16) % HELD_OUT_EVERY == 0
 
 
 def sharegpt_prompts(path: str | Path | None = None, *, max_chars: int = 2000) -> list[Prompt]:
@@ -73,6 +78,41 @@ def sharegpt_prompts(path: str | Path | None = None, *, max_chars: int = 2000) -
         if first.strip() and len(first) <= max_chars:
             prompts.append(Prompt(first, guess_category(first), str(record.get("id", len(prompts)))))
     return prompts
+
+
+ROLES = {"human": "user", "gpt": "assistant"}
+
+
+def sharegpt_later_turns(path: str | Path | None = None, *, max_chars: int = 2000) -> list[Prompt]:
+    """Every human turn after the first of complete ShareGPT conversations, each with the
+    conversation before it as its history (the dataset's own earlier answers): long
+    contexts from real chats. Only conversations that alternate human / gpt from the start;
+    turns longer than max_chars are skipped (their conversation's later turns still count).
+    Ordered by a hash of the id, so any prefix of the list mixes short and long contexts."""
+    prompts = []
+    for record in iter_sharegpt(path or sharegpt_path()):
+        turns = [(t.get("from"), t.get("value") or "") for t in record.get("conversations") or []]
+        conversation = str(record.get("id", ""))
+        if not conversation or TURN_SEPARATOR in conversation:
+            continue
+        history: list[tuple[str, str]] = []
+        for position, (speaker, text) in enumerate(turns):
+            if speaker != ("human" if position % 2 == 0 else "gpt"):
+                break  # not a clean alternation: later turns would rest on a malformed history
+            if speaker == "human" and position > 0 and text.strip() and len(text) <= max_chars:
+                prompts.append(Prompt(text, guess_category(text), f"{conversation}{TURN_SEPARATOR}{position // 2}",
+                                      history=tuple(history)))
+            history.append((ROLES[speaker], text))
+    return sorted(prompts, key=lambda p: hashlib.sha1(p.id.encode()).hexdigest())
+
+
+PROMPT_SOURCES = {"sharegpt": sharegpt_prompts, "sharegpt-later-turns": sharegpt_later_turns}
+
+
+def load_prompt_source(name: str) -> list[Prompt]:
+    """A named source (PROMPT_SOURCES) or a file (load_training_prompts)."""
+    source = PROMPT_SOURCES.get(name)
+    return source() if source is not None else load_training_prompts(name)
 
 
 def sharegpt_answers(path: str | Path | None = None) -> dict[str, str]:

@@ -171,9 +171,9 @@ def ensure_data(config: TrainConfig, model_dir: Path) -> tuple[list[Path], list[
     if config.held_out_data:
         splits.append((config.held_out_data, config.held_out_answers, True))
     if config.prompts:
-        from training.prompts import is_held_out, load_training_prompts, sharegpt_prompts
+        from training.prompts import is_held_out, load_prompt_source
 
-        prompts = sharegpt_prompts() if config.prompts == "sharegpt" else load_training_prompts(config.prompts)
+        prompts = load_prompt_source(config.prompts)
         prompts = prompts[: config.max_prompts]
         for data, answers, held_out in splits:
             split = [p for p in prompts if is_held_out(p.id) == held_out]

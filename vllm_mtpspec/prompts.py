@@ -16,6 +16,8 @@ class Prompt:
     text: str
     category: str = "general"
     id: str = ""
+    # The conversation before this turn, oldest first: ("user" | "assistant", text) pairs.
+    history: tuple[tuple[str, str], ...] = ()
 
 
 def load_prompts_jsonl(path: str | Path, *, limit: int | None = None) -> list[Prompt]:
@@ -52,10 +54,12 @@ def load_prompts_jsonl(path: str | Path, *, limit: int | None = None) -> list[Pr
     return prompts
 
 
-def apply_chat_template(tokenizer, text: str) -> str:
-    """Chat models get their template (with the assistant turn opened); base models the text."""
+def apply_chat_template(tokenizer, text: str, history: tuple[tuple[str, str], ...] = ()) -> str:
+    """Chat models get their template over the conversation so far (with the assistant turn
+    opened); base models the turns' texts, one after another."""
     if getattr(tokenizer, "chat_template", None):
+        messages = [{"role": role, "content": content} for role, content in history]
         return tokenizer.apply_chat_template(
-            [{"role": "user", "content": text}], tokenize=False, add_generation_prompt=True
+            messages + [{"role": "user", "content": text}], tokenize=False, add_generation_prompt=True
         )
-    return text
+    return "\n\n".join([content for _, content in history] + [text])

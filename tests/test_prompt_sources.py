@@ -1,0 +1,74 @@
+"""Training prompt sources: later ShareGPT turns with their conversation as context."""
+import json
+
+from transformers import AutoTokenizer
+
+from training.data import encode_prompt
+from training.prompts import HELD_OUT_EVERY, is_held_out, load_prompt_source, sharegpt_later_turns
+from vllm_mtpspec.prompts import Prompt
+
+
+def write_sharegpt(path, records, *, cut_off=False):
+    text = json.dumps(records)
+    if cut_off:  # the PyPI copy stops mid-record
+        text = text[:-1] + ', {"id": "cut", "conversations": [{"from": "hu'
+    path.write_text(text)
+    return path
+
+
+def turn(speaker, text):
+    return {"from": speaker, "value": text}
+
+
+def test_later_turns_carry_the_conversation_before_them(tmp_path):
+    path = write_sharegpt(tmp_path / "sg.json", [
+        {"id": "c1", "conversations": [turn("human", "hi"), turn("gpt", "hello"), turn("human", "write code"),
+                                       turn("gpt", "def f(): pass"), turn("human", "again")]},
+        {"id": "c2", "conversations": [turn("human", "one turn only"), turn("gpt", "ok")]},
+        # Two human turns in a row: the history after them is not a conversation, stop there.
+        {"id": "c3", "conversations": [turn("human", "a"), turn("human", "b"), turn("gpt", "c"),
+                                       turn("human", "d")]},
+        {"id": "c4", "conversations": [turn("human", "q"), turn("gpt", "a"), turn("human", "x" * 3000),
+                                       turn("gpt", "b"), turn("human", "short")]},
+    ], cut_off=True)
+    prompts = {p.id: p for p in sharegpt_later_turns(path)}
+    assert set(prompts) == {"c1#1", "c1#2", "c4#2"}
+    assert prompts["c1#1"].text == "write code" and prompts["c1#1"].category == "code"
+    assert prompts["c1#1"].history == (("user", "hi"), ("assistant", "hello"))
+    assert prompts["c1#2"].history[-1] == ("assistant", "def f(): pass") and len(prompts["c1#2"].history) == 4
+    # A skipped over-long turn still stands in the history of the turns after it.
+    assert prompts["c4#2"].history[2] == ("user", "x" * 3000)
+    # The order mixes conversations by hash, the same on every call.
+    assert [p.id for p in sharegpt_later_turns(path)] == list(prompts)
+
+
+def test_a_conversation_is_held_out_with_all_its_turns():
+    conversations = [f"conv{i}" for i in range(2000)]
+    held = [c for c in conversations if is_held_out(c)]
+    assert 0 < len(held) < 2000 / HELD_OUT_EVERY * 2
+    for conversation in conversations[:200]:
+        assert all(is_held_out(f"{conversation}#{t}") == is_held_out(conversation) for t in (1, 2, 7))
+
+
+def test_a_long_conversation_loses_its_oldest_exchanges_first(tiny_smol_teacher):
+    tokenizer = AutoTokenizer.from_pretrained(tiny_smol_teacher)
+    history = (("user", "first question " * 20), ("assistant", "first answer " * 20),
+               ("user", "second question"), ("assistant", "second answer"))
+    prompt = Prompt("third question", id="c#2", history=history)
+    whole = encode_prompt(tokenizer, prompt, 10_000)
+    decoded = tokenizer.decode(whole)
+    assert decoded.count("<|im_start|>user") == 3 and decoded.endswith("<|im_start|>assistant\n")
+    short = encode_prompt(tokenizer, prompt, len(whole) - 1)
+    decoded = tokenizer.decode(short)
+    assert "first question" not in decoded and "first answer" not in decoded
+    assert "second question" in decoded and "third question" in decoded
+    assert decoded.count("<|im_start|>user") == 2 and len(short) < len(whole)
+    # A single turn that is too long on its own is cut from the left, as first turns are.
+    alone = encode_prompt(tokenizer, Prompt("word " * 500), 64)
+    assert len(alone) == 64 and tokenizer.decode(alone).endswith("<|im_start|>assistant\n")
+
+
+def test_a_prompt_source_is_a_name_or_a_file(tmp_path):
+    file = tmp_path / "p.jsonl"
+    file.write_text('{"prompt": "hello", "id": "x"}\n')
+    assert [p.text for p in load_prompt_source(str(file))] == ["hello"]
