@@ -185,3 +185,74 @@ def test_learned_sizes_start_where_the_fixed_back_off_would_draft(make_proposer)
     drafts = p.propose([[1]] * 8)
     assert p.draft_sizes.current_level(8) == p.depth_for_batch(8) == 1
     assert all(len(d) <= 1 for d in drafts) and any(drafts)
+
+
+class SharedBroadcast:
+    """Two tensor-parallel ranks in one process, stepping in turn: rank 0's broadcast
+    reaches rank 1 (vLLM's GroupCoordinator.broadcast_object, src=0)."""
+
+    def __init__(self):
+        self.sent = []
+
+    def rank(self, rank_in_group):
+        shared = self
+
+        class Group:
+            world_size = 2
+
+            def broadcast_object(self, obj=None, src=0):
+                assert src == 0
+                if rank_in_group == 0:
+                    shared.sent.append(obj)
+                    return obj
+                return shared.sent.pop(0)
+
+        group = Group()
+        group.rank_in_group = rank_in_group
+        return group
+
+
+def clock_where_level_costs(proposer, seconds_per_level):
+    """A clock that advances by what the level now in flight costs on this rank."""
+    now = [0.0]
+
+    def clock():
+        pending = proposer.draft_sizes._pending
+        now[0] += seconds_per_level[pending[2]] if pending else 0.01
+        return now[0]
+
+    return clock
+
+
+def draft_sizes_on_two_ranks(make_proposer, share: bool, steps=400):
+    from vllm_mtpspec.vllm.parallel import RankZeroDecision
+
+    ranks = [make_proposer(adaptive_draft_size=True, batch_backoff_start=None)[0] for _ in range(2)]
+    broadcast = SharedBroadcast()
+    # Rank 0's clock says drafting pays, rank 1's that it does not: alone they part ways.
+    for p, costs in zip(ranks, ([0.05, 0.05, 0.05, 0.05], [0.01, 0.05, 0.09, 0.2])):
+        p.draft_sizes._clock = clock_where_level_costs(p, costs)
+    if share:
+        for rank, p in enumerate(ranks):
+            p.__dict__["_rank_zero"] = RankZeroDecision(broadcast.rank(rank))
+    sizes = [[], []]
+    for _ in range(steps):
+        for rank, p in enumerate(ranks):
+            p._step_was_decode_only = True
+            sizes[rank].append(p._draft_size([[1, 2, 3]] * 2, ["a", "b"], {"a", "b"})[0])
+    return sizes
+
+
+def test_every_tensor_parallel_rank_drafts_what_rank_zero_decided(make_proposer):
+    alone = draft_sizes_on_two_ranks(make_proposer, share=False)
+    assert alone[0] != alone[1], "the two clocks must lead to different sizes for this test to mean anything"
+    shared = draft_sizes_on_two_ranks(make_proposer, share=True)
+    assert shared[0] == shared[1] and shared[0] == alone[0]
+
+
+def test_without_a_distributed_group_the_proposer_decides_alone():
+    from vllm_mtpspec.vllm.parallel import RankZeroDecision, tensor_parallel_group
+
+    assert tensor_parallel_group() is None  # no vLLM worker in this process
+    decision = RankZeroDecision(None)
+    assert decision.decides_here and decision(lambda: 3) == 3

@@ -101,4 +101,6 @@ def verify_sampled(
 
 
 def _uniform(generator: torch.Generator | None) -> float:
-    return float(torch.rand((), generator=generator, dtype=torch.float64))
+    # On the generator's own device: a CUDA generator cannot draw a CPU tensor.
+    device = None if generator is None else generator.device
+    return float(torch.rand((), generator=generator, dtype=torch.float64, device=device))

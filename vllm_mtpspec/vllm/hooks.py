@@ -2,8 +2,10 @@
 
 1. EngineArgs.create_speculative_config sees the user's speculative dict before vLLM
    validates it (both `vllm serve` and `LLM(...)` go through it): `method="mtpspec"`
-   becomes vLLM's own `custom_class` form, and the heads are checked against the served
-   model right there, in the front-end process, before any engine starts.
+   (from --speculative-config, vLLM's --spec-* flags, or both, merged as vLLM merges
+   them) becomes vLLM's own `custom_class` form, and the heads are checked against the
+   served model right there, in the front-end process, before any engine starts.
+   EngineArgs.add_cli_args: `mtpspec` becomes a valid choice of --spec-method.
 2. GPUModelRunner.propose_draft_token_ids (inherited by CPUModelRunner, same signature in
    0.32 and 0.33) holds the hidden states that a `custom_class` proposer never receives:
    the wrapper hands them to our proposer, then calls vLLM's own method (and times it,
@@ -33,6 +35,12 @@ logger = logging.getLogger("vllm_mtpspec")
 _installed: set[str] = set()
 
 
+# vLLM's own flags for a speculative config, merged by create_speculative_config into the
+# --speculative-config dict: (flag, key in that dict, EngineArgs field).
+SPEC_FLAGS = (("--spec-method", "method", "spec_method"), ("--spec-model", "model", "spec_model"),
+              ("--spec-tokens", "num_speculative_tokens", "spec_tokens"))
+
+
 def install_speculative_config_hook() -> None:
     if "speculative_config" in _installed:
         return
@@ -41,22 +49,57 @@ def install_speculative_config_hook() -> None:
     from vllm_mtpspec.vllm.options import METHOD
 
     original = EngineArgs.create_speculative_config
+    original_add_cli_args = EngineArgs.add_cli_args
 
     @functools.wraps(original)
     def create_speculative_config(self, target_model_config, target_parallel_config):
-        spec = self.speculative_config
+        spec = _with_spec_flags(self)
         if isinstance(spec, dict) and spec.get("method") == METHOD:
             self.speculative_config, self.additional_config = _mtpspec_to_custom_class(
                 spec, self.additional_config, target_model_config
             )
+            for _, _, field in SPEC_FLAGS:  # merged above: vLLM would merge them a second time
+                if hasattr(self, field):
+                    setattr(self, field, None)
         return original(self, target_model_config, target_parallel_config)
 
+    @functools.wraps(original_add_cli_args)
+    def add_cli_args(parser, *args, **kwargs):
+        # AsyncEngineArgs.add_cli_args loads the general plugins first so that they may
+        # extend choices like these: `--spec-method mtpspec` is then a valid flag.
+        parser = original_add_cli_args(parser, *args, **kwargs)
+        for action in parser._actions:
+            if "--spec-method" in action.option_strings and action.choices is not None \
+                    and METHOD not in action.choices:
+                action.choices = [*action.choices, METHOD]
+        return parser
+
     EngineArgs.create_speculative_config = create_speculative_config
+    EngineArgs.add_cli_args = staticmethod(add_cli_args)
     _installed.add("speculative_config")
+
+
+def _with_spec_flags(engine_args):
+    """The speculative config as create_speculative_config will see it: the
+    --speculative-config dict with vLLM's --spec-* flags merged in, as vLLM merges them
+    (a key given both ways is refused with vLLM's own message)."""
+    spec = engine_args.speculative_config
+    flags = [(flag, key, getattr(engine_args, field, None)) for flag, key, field in SPEC_FLAGS]
+    if not isinstance(spec, (dict, type(None))) or all(value is None for _, _, value in flags):
+        return spec
+    merged = dict(spec or {})
+    for flag, key, value in flags:
+        if value is None:
+            continue
+        if key in merged:
+            raise ValueError(f"{flag} and --speculative-config['{key}'] are mutually exclusive")
+        merged[key] = value
+    return merged
 
 
 def _mtpspec_to_custom_class(spec, additional_config, target_model_config):
     from vllm_mtpspec.vllm.options import check_against_model, translate
+    from vllm_mtpspec.vllm.platform_defaults import platform_blocker
     from vllm_mtpspec.vllm.version import require_supported_vllm
     from vllm_mtpspec.config import SpecOptions
 
@@ -73,12 +116,18 @@ def _mtpspec_to_custom_class(spec, additional_config, target_model_config):
     )
     # num_speculative_tokens is the number of heads used (default: all). vLLM's own
     # num_speculative_tokens is the most draft tokens a request sends per step: the
-    # chain's length, or the tree's node budget.
-    depth = vllm_spec.get("num_speculative_tokens") or heads_config.num_heads
+    # chain's length, or the tree's node budget where this platform verifies trees. vLLM
+    # sizes its rejection sampler and CUDA graphs and stops drafting near max_model_len by it.
+    depth = vllm_spec.get("num_speculative_tokens") or options.num_speculative_tokens or heads_config.num_heads
     merged["mtpspec"]["num_speculative_tokens"] = depth
-    vllm_spec["num_speculative_tokens"] = depth if options.tree == "chain" else options.max_tree_nodes
+    trees = options.tree != "chain"
+    if trees and (reason := platform_blocker()):
+        logger.warning("mtpspec: tree=%r asked, but %s", options.tree, reason)
+        trees = False
+    vllm_spec["num_speculative_tokens"] = options.max_tree_nodes if trees else depth
     logger.info("mtpspec: %d heads from %s, depth %d, %s drafts of up to %d tokens",
-                heads_config.num_heads, options.heads, depth, options.tree, vllm_spec["num_speculative_tokens"])
+                heads_config.num_heads, options.heads, depth, options.tree if trees else "chain",
+                vllm_spec["num_speculative_tokens"])
     return vllm_spec, merged
 
 
@@ -197,7 +246,7 @@ def install_tree_hooks() -> None:
         step = NO_TREES
         proposed = getattr(getattr(self, "drafter", None), "proposed_trees", None)
         if proposed and scheduler_output.scheduled_spec_decode_tokens:
-            sampled = {r for r in scheduler_output.scheduled_spec_decode_tokens if _is_sampled(self, r)}
+            sampled = _sampled_chains_for_us(self, scheduler_output.scheduled_spec_decode_tokens)
             step = schedule_trees(proposed, scheduler_output.scheduled_spec_decode_tokens,
                                   self.input_batch.req_id_to_index, sampled)
             starts = self.query_start_loc.np
@@ -273,6 +322,16 @@ def _count(step, verdicts) -> None:
         accepted = verdicts[tree.batch_index].accepted_nodes
         tree_stats.accepted += len(accepted)
         tree_stats.off_chain_accepted += sum(1 for node in accepted if any(tree.shape.paths[node]))
+
+
+def _sampled_chains_for_us(runner, scheduled_drafts) -> set[str]:
+    """The sampled requests whose chains our verifier checks this step: none where vLLM's
+    own rejection sampler is exact for drafts without probabilities (platform_defaults)."""
+    from vllm_mtpspec.vllm.platform_defaults import sampled_chains_verifier
+
+    if sampled_chains_verifier() == "vllm":
+        return set()
+    return {r for r in scheduled_drafts if _is_sampled(runner, r)}
 
 
 def _is_sampled(runner, req_id: str) -> bool:

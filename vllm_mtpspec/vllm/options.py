@@ -39,10 +39,29 @@ def translate(spec: dict[str, Any], additional_config: dict[str, Any] | None) ->
         options["heads"] = str(heads)
     if vllm_spec.get("num_speculative_tokens") is not None:
         options["num_speculative_tokens"] = vllm_spec["num_speculative_tokens"]
-    SpecOptions.from_dict(options, source="speculative config")  # names a bad key or value now
     merged = dict(additional_config or {})
-    merged[ADDITIONAL_CONFIG_KEY] = options
+    merged[ADDITIONAL_CONFIG_KEY] = _merge_options(options, merged.get(ADDITIONAL_CONFIG_KEY))
+    # Names a bad key or value now.
+    SpecOptions.from_dict(merged[ADDITIONAL_CONFIG_KEY], source="speculative config and additional_config['mtpspec']")
     return vllm_spec, merged
+
+
+def _merge_options(from_spec: dict[str, Any], from_additional: Any) -> dict[str, Any]:
+    """Options may be given in either place; one given in both must agree."""
+    if from_additional is None:
+        return from_spec
+    if not isinstance(from_additional, dict):
+        raise ConfigError(f"additional_config['{ADDITIONAL_CONFIG_KEY}'] must be a dict of mtpspec options, "
+                          f"not {type(from_additional).__name__}")
+    for key, value in from_spec.items():
+        if key in from_additional and from_additional[key] != value:
+            where = "'model'" if key == "heads" else repr(key)
+            raise ConfigError(
+                f"mtpspec option {key!r} is given twice with different values: {value!r} in the speculative config "
+                f"(as {where}) and {from_additional[key]!r} in additional_config['{ADDITIONAL_CONFIG_KEY}']; "
+                "give it in one place"
+            )
+    return {**from_additional, **from_spec}
 
 
 def options_from_additional_config(additional_config: dict | None) -> SpecOptions:

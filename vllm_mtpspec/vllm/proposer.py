@@ -26,6 +26,7 @@ import logging
 import math
 import time
 from collections.abc import Callable
+from functools import cached_property
 
 import torch
 
@@ -34,8 +35,9 @@ from vllm_mtpspec.checkpoint import load_heads
 from vllm_mtpspec.lookup import lookup_draft
 from vllm_mtpspec.tree import DraftTreeBuilder, TreeShape, chain_tree
 from vllm_mtpspec.vllm.fallback import log_fallback_once
-from vllm_mtpspec.vllm.platform_defaults import default_backoff_start, platform_blocker
+from vllm_mtpspec.vllm.platform_defaults import default_backoff_start, platform_blocker, sampled_chains_verifier
 from vllm_mtpspec.vllm.options import check_against_model, options_from_additional_config
+from vllm_mtpspec.vllm.parallel import RankZeroDecision, tensor_parallel_group
 from vllm_mtpspec.vllm.rows import last_sampled_rows
 from vllm_mtpspec.vllm.tree_step import ProposedTree
 from vllm_mtpspec.vllm.version import require_supported_vllm
@@ -49,7 +51,7 @@ class MTPSpecProposer:
         self.options = options_from_additional_config(vllm_config.additional_config)
         model_config = vllm_config.model_config
         # vLLM's budget of draft tokens per request and step: the chain length, or the
-        # largest tree (hooks.py sets it to max_tree_nodes for trees).
+        # largest tree (hooks.py sets it to max_tree_nodes where the platform verifies trees).
         self.max_drafts = vllm_config.speculative_config.num_speculative_tokens
         hf_config = model_config.hf_text_config
         # Heads used per step (the tree's depth): as asked, else a chain as long as vLLM's
@@ -73,6 +75,9 @@ class MTPSpecProposer:
         if self.uses_trees and (reason := platform_blocker()):
             logger.warning("mtpspec: %s", reason)
             self.uses_trees = False
+        logger.info("mtpspec: sampled requests' drafted chains are verified by %s",
+                    {"vllm": "vLLM's rejection sampler", "mtpspec": "mtpspec's verifier (tree_sampler.py)"}[
+                        sampled_chains_verifier()])
         # What was sent as each request's drafts, when it was a tree (read by the runner).
         self.proposed_trees: dict[str, ProposedTree] = {}
         # Set by the runner hook each step, consumed by propose.
@@ -162,11 +167,20 @@ class MTPSpecProposer:
         self._drafted_batch = live
         emitted = [len(tokens) for i, tokens in enumerate(sampled_token_ids)
                    if drafted is None or req_ids is None or req_ids[i] in drafted]
-        level = self.draft_sizes.next_level(num_requests, emitted, timed=self._step_was_decode_only)
-        self._log_draft_sizes(num_requests, level)
+        # The controller times steps by this process's clock: rank 0 decides for every
+        # tensor-parallel rank (parallel.py).
+        level = self._rank_zero(lambda: self.draft_sizes.next_level(num_requests, emitted,
+                                                                    timed=self._step_was_decode_only))
+        if self._rank_zero.decides_here:
+            self._log_draft_sizes(num_requests, level)
         if not self.uses_trees:
             return level, 0
         return (self.depth, self._tree_budgets[level - 1]) if level else (0, 0)
+
+    @cached_property
+    def _rank_zero(self) -> RankZeroDecision:
+        # Resolved at the first drafted step: the worker's distributed state exists by then.
+        return RankZeroDecision(tensor_parallel_group())
 
     def _log_draft_sizes(self, num_requests: int, level: int) -> None:
         if time.monotonic() - self._last_size_log < 60:
