@@ -3,6 +3,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from vllm_mtpspec.cli import build_parser, main
 
@@ -77,3 +78,25 @@ def test_errors_name_the_problem_and_exit_2(tiny_model_dir, tmp_path, capsys):
     bad.write_text("this is not json\n")
     assert main(["decode", "--model", str(tiny_model_dir), "--heads", str(out), "--prompts", str(bad)]) == 2
     assert "not a JSON line" in capsys.readouterr().err
+
+
+def test_heads_quantize_calibrated_on_shards(tiny_model_dir, tmp_path, capsys):
+    from training.data import write_shard
+    from vllm_mtpspec.checkpoint import load_heads
+
+    out = tmp_path / "h"
+    main(["heads", "init", "--model", str(tiny_model_dir), "--num-heads", "2", "--head-input", "hidden+token",
+          "--out", str(out)])
+    assert main(["heads", "quantize", str(out), "--method", "gptq", "--out", str(tmp_path / "q")]) == 2
+    assert "--method gptq needs --calibration" in capsys.readouterr().err
+    assert main(["heads", "quantize", str(out), "--method", "gptq", "--calibration", str(tmp_path / "none"),
+                 "--out", str(tmp_path / "q")]) == 2
+    assert "holds no shard-*.pt files" in capsys.readouterr().err
+    n, vocab = 300, json.loads((tiny_model_dir / "config.json").read_text())["vocab_size"]
+    write_shard(tmp_path / "shards", 0, {"hidden": torch.randn(n, 64).half(), "tokens": torch.randint(0, vocab, (n,)),
+                                         "offsets": torch.tensor([0, n])})
+    assert main(["heads", "quantize", str(out), "--method", "search", "--calibration", str(tmp_path / "shards"),
+                 "--model", str(tiny_model_dir), "--calibration-rows", "200", "--group-size", "32",
+                 "--out", str(tmp_path / "q")]) == 0
+    quant = load_heads(tmp_path / "q").config.quantization
+    assert quant.method == "search" and quant.calibration.startswith("200 rows of")

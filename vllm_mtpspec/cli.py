@@ -19,6 +19,16 @@ def shipped_heads_dir(model_name: str = "smollm2-135m-instruct") -> Path | None:
     return path if (path / "config.json").is_file() else None
 
 
+def shipped_int2_heads_dir(heads_dir: str | Path) -> Path | None:
+    """The shipped INT2 form of shipped heads (quantized by GPTQ on training shards; see
+    its README), or None for any other heads directory."""
+    heads = Path(heads_dir).resolve()
+    if heads.parent != SHIPPED_HEADS.resolve():
+        return None
+    int2 = SHIPPED_HEADS / f"{heads.name}-int2"
+    return int2 if (int2 / "config.json").is_file() else None
+
+
 # ---------------------------------------------------------------- models
 def cmd_models_fetch(args) -> int:
     from vllm_mtpspec.models import fetch_model
@@ -97,10 +107,26 @@ def cmd_heads_info(args) -> int:
 def cmd_heads_quantize(args) -> int:
     from vllm_mtpspec.checkpoint import load_heads, save_heads
 
+    from vllm_mtpspec.heads_quant import quantize_heads
+    from vllm_mtpspec.quant import QuantError
+
     if args.bits != 2:
         raise SystemExit(f"--bits {args.bits}: only 2-bit quantization is supported")
+    if args.method != "rtn" and not args.calibration:
+        raise QuantError(f"--method {args.method} needs --calibration: a folder of training shards (shard-*.pt, "
+                         "written by the training job or python -m training.data)")
+    if args.method == "rtn" and args.calibration:
+        raise QuantError("--calibration is only read by --method search or gptq; round-to-nearest (rtn) needs none")
     heads = load_heads(args.dir)
-    print(save_heads(heads.quantized(group_size=args.group_size), args.out))
+    statistics, described = None, None
+    if args.method != "rtn":
+        from vllm_mtpspec.calibration_data import heads_statistics_from_shards
+
+        statistics, described = heads_statistics_from_shards(heads, args.calibration, model=args.model,
+                                                             max_rows=args.calibration_rows)
+    quantized = quantize_heads(heads, method=args.method, group_size=args.group_size, statistics=statistics,
+                               calibration=described)
+    print(save_heads(quantized, args.out))
     return 0
 
 
@@ -305,10 +331,21 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.set_defaults(func=cmd_heads_info)
     p = heads.add_parser("quantize", help="write a 2-bit copy of a heads directory",
-                         description="Group-wise asymmetric INT2: a scale and minimum (fp16) per group of inputs.")
+                         description="Group-wise asymmetric INT2: a scale and minimum (fp16) per group of inputs, "
+                                     "the codes chosen by --method. Every method writes the same format.")
     p.add_argument("dir")
     p.add_argument("--bits", type=int, default=2, help="only 2 is supported")
     p.add_argument("--group-size", type=int, default=64, help="inputs per scale/minimum pair (multiple of 4; default 64)")
+    p.add_argument("--method", choices=("rtn", "search", "gptq"), default="rtn",
+                   help="rtn: round each weight to the nearest code of its group's full range; search: per group, the "
+                        "clipped range that errs least on the calibration inputs; gptq: quantize inputs in order and "
+                        "fold each one's error into the rest (GPTQ), with the searched ranges")
+    p.add_argument("--calibration", default=None,
+                   help="search/gptq: a folder of training shards (shard-*.pt) whose hidden states and tokens are "
+                        "the heads' inputs")
+    p.add_argument("--calibration-rows", type=int, default=32768, help="rows of the shards to read (default 32768)")
+    p.add_argument("--model", default="smollm2-135m-instruct",
+                   help="the target (its input embedding feeds token-conditioned heads during calibration)")
     p.add_argument("--out", required=True)
     p.set_defaults(func=cmd_heads_quantize)
     p = heads.add_parser("cast", help="write a copy of a heads directory with its weights stored in fp16/bf16",

@@ -33,8 +33,14 @@ def reject_unknown_keys(cls, raw: dict[str, Any], *, source: str, noun: str = "f
 class QuantConfig:
     bits: int = 2
     group_size: int = 64
+    method: str = "rtn"              # how the codes were chosen: rtn, search, gptq (quant/calibrated.py)
+    calibration: str | None = None   # the data the calibrated methods saw
 
     def __post_init__(self) -> None:
+        from vllm_mtpspec.quant.calibrated import METHODS
+
+        if self.method not in METHODS:
+            raise ConfigError(f"quantization.method={self.method!r}: one of {METHODS}")
         if self.bits != 2:
             raise ConfigError(f"quantization.bits={self.bits}: only 2-bit heads are supported")
         if self.group_size <= 0 or self.group_size % 4:

@@ -138,26 +138,33 @@ class MTPHeads(nn.Module):
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.state_dict().values())
 
-    def quantized(self, *, group_size: int = 64) -> "MTPHeads":
-        """A 2-bit copy of these heads (every matrix; biases stay in fp32)."""
+    def quantized(self, *, group_size: int = 64, int2=None, method: str = "rtn",
+                  calibration: str | None = None) -> "MTPHeads":
+        """A 2-bit copy of these heads (every matrix; biases stay in fp32). int2: how each
+        nn.Linear becomes an Int2Weight (default round-to-nearest; heads_quant.py has the
+        calibrated methods), recorded in the config as `method` and `calibration`."""
         if self.is_quantized:
             raise ValueError("these heads are already quantized")
         from vllm_mtpspec.config import QuantConfig
 
         config = HeadsConfig.from_dict({**self.config.to_dict(), "quantization": None})
-        config.quantization = QuantConfig(bits=2, group_size=group_size)
+        config.quantization = QuantConfig(bits=2, group_size=group_size, method=method, calibration=calibration)
         out = MTPHeads.__new__(MTPHeads)
         nn.Module.__init__(out)
         out.config = config
 
-        def int2(linears: nn.ModuleList | None) -> nn.ModuleList | None:
-            if linears is None:
-                return None
-            return nn.ModuleList(Int2Linear.from_linear(p.float(), group_size=group_size) for p in linears)
+        def quantize(linear: nn.Linear) -> Int2Linear:
+            if int2 is None:
+                return Int2Linear.from_linear(linear.float(), group_size=group_size)
+            bias = None if linear.bias is None else linear.bias.detach().float().clone()
+            return Int2Linear(int2(linear), bias)
 
-        out.block = Int2Linear.from_linear(self.block.float(), group_size=group_size)
-        out.down = int2(self.down)
-        out.proj = int2(self.proj)
+        def each(linears: nn.ModuleList | None) -> nn.ModuleList | None:
+            return None if linears is None else nn.ModuleList(quantize(p) for p in linears)
+
+        out.block = quantize(self.block)
+        out.down = each(self.down)
+        out.proj = each(self.proj)
         out.register_buffer("temperatures", self.temperatures.clone(), persistent=False)
         return out
 

@@ -102,7 +102,9 @@ def run(args) -> int:
                             max_new_tokens=args.max_new_tokens, rounds=args.rounds, engine=engine,
                             log_dir=work_dir / "logs")
     rows = summarize(methods, tallies)
-    int2 = work_dir / "heads-int2"
+    from vllm_mtpspec.cli import shipped_int2_heads_dir
+
+    int2 = shipped_int2_heads_dir(heads) or work_dir / "heads-int2"
     memory = heads_memory(heads, model, str(int2) if (int2 / "heads.safetensors").is_file() else None)
     machine = f"{_cpu_name()}, {_cpu_count()} CPUs, vLLM {_vllm_version()}"
     header = (f"## mtpspec bench: {Path(model).name}, {len(prompts)} prompts ({args.prompts}), "

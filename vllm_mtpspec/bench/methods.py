@@ -78,8 +78,14 @@ def build_methods(names: list[str], *, model_dir: str, heads_dir: str, num_heads
 
 
 def _int2_heads(heads_dir: str, work_dir: Path) -> Path:
+    """The shipped INT2 form of shipped heads (GPTQ); for other heads, round-to-nearest
+    (the calibrated methods need training shards: `mtpspec heads quantize --method gptq`)."""
     from vllm_mtpspec.checkpoint import load_heads, save_heads
+    from vllm_mtpspec.cli import shipped_int2_heads_dir
 
+    shipped = shipped_int2_heads_dir(heads_dir)
+    if shipped is not None:
+        return shipped
     out = work_dir / "heads-int2"
     if not (out / "config.json").is_file():
         save_heads(load_heads(heads_dir).quantized(group_size=64), out)

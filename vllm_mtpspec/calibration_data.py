@@ -1,0 +1,57 @@
+"""Calibration inputs for quantizing heads: rows of self-distillation shards (the
+target's hidden states and the tokens they produced), the heads' own inputs."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from vllm_mtpspec.heads import MTPHeads
+
+
+def shard_files(shards_dir: str | Path) -> list[Path]:
+    from vllm_mtpspec.quant import QuantError
+
+    files = sorted(Path(shards_dir).glob("shard-*.pt"))
+    if not files:
+        raise QuantError(f"--calibration {shards_dir}: holds no shard-*.pt files (training shards are written "
+                         "by the training job or by python -m training.data)")
+    return files
+
+
+def shard_rows(files: list[Path], max_rows: int, read: list[Path] | None = None):
+    """(hidden [n, d], tokens [n]) chunks from the shards, in order, max_rows in all; the
+    files it opened are appended to `read`."""
+    left = max_rows
+    for file in files:
+        if left <= 0:
+            return
+        shard = torch.load(file, weights_only=True)
+        if read is not None:
+            read.append(file)
+        hidden, tokens = shard["hidden"][:left], shard["tokens"][:left]
+        for start in range(0, hidden.shape[0], 1024):
+            yield hidden[start:start + 1024], tokens[start:start + 1024]
+        left -= hidden.shape[0]
+
+
+def heads_statistics_from_shards(heads: MTPHeads, shards_dir: str | Path, *, model: str, max_rows: int):
+    """(input statistics per matrix, a description of the data for the heads config)."""
+    from vllm_mtpspec.heads_quant import input_statistics
+    from vllm_mtpspec.models import resolve_model
+    from vllm_mtpspec.quant import QuantError
+    from vllm_mtpspec.weights import embedding_and_lm_head
+
+    files = shard_files(shards_dir)
+    embed, lm_head = embedding_and_lm_head(resolve_model(model, dtype="fp32"))
+    if embed.shape[1] != heads.config.hidden_size:
+        raise QuantError(f"--model {model}: hidden size {embed.shape[1]}, the heads' is {heads.config.hidden_size}")
+    rows, read = [0], []
+
+    def batches():
+        for hidden, tokens in shard_rows(files, max_rows, read):
+            rows[0] += hidden.shape[0]
+            yield hidden, embed[tokens.long()] if heads.config.token_conditioned else None
+
+    stats = input_statistics(heads.float(), batches(), lm_head=lambda x: x @ lm_head.T)
+    return stats, f"{rows[0]} rows of {Path(shards_dir).name}/{read[0].name}..{read[-1].name}"

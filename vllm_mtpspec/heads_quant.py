@@ -1,0 +1,72 @@
+"""2-bit heads by a chosen method: round-to-nearest, or calibrated on the heads' real
+inputs (quant/calibrated.py).
+
+Calibration runs the full-precision heads on rows of the target's hidden states and the
+sampled tokens (self-distillation shards: what the heads see when drafting) and keeps,
+for every matrix, the second moment of what it is fed: the block reads u = [h; s e], each
+hidden-layer projection D_i its head's activations, each untied projection its head's state.
+"""
+from __future__ import annotations
+
+from typing import Iterable
+
+import torch
+from torch import nn
+
+from vllm_mtpspec.heads import MTPHeads
+from vllm_mtpspec.quant import quantize_int2
+from vllm_mtpspec.quant.calibrated import METHODS, InputStatistics, gptq_int2, search_int2
+
+
+def head_linears(heads: MTPHeads) -> dict[str, nn.Linear]:
+    """Every matrix of the heads by its state-dict prefix ("block", "down.0", "proj.1", ...)."""
+    found = {"block": heads.block}
+    for family in ("down", "proj"):
+        for i, linear in enumerate(getattr(heads, family) or []):
+            found[f"{family}.{i}"] = linear
+    return found
+
+
+@torch.inference_mode()
+def input_statistics(heads: MTPHeads, batches: Iterable[tuple[torch.Tensor, torch.Tensor | None]], *,
+                     lm_head=None) -> dict[str, InputStatistics]:
+    """batches of (hidden [n, d], token embeddings [n, d] or None) -> each matrix's
+    input statistics."""
+    if heads.is_quantized:
+        raise ValueError("calibrate the full-precision heads, not quantized ones")
+    linears = head_linears(heads)
+    stats = {name: InputStatistics(linear.in_features) for name, linear in linears.items()}
+    hooks = [linear.register_forward_pre_hook(lambda module, args, name=name: stats[name].add(args[0]))
+             for name, linear in linears.items()]
+    try:
+        for hidden, embeds in batches:
+            head_hidden = heads.hidden(hidden.float(), None if embeds is None else embeds.float())
+            if heads.proj is not None:
+                heads.project(head_hidden, lm_head)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    return stats
+
+
+def quantize_heads(heads: MTPHeads, *, method: str = "rtn", group_size: int = 64,
+                   statistics: dict[str, InputStatistics] | None = None, calibration: str | None = None) -> MTPHeads:
+    """A 2-bit copy of the heads; `statistics` (input_statistics) are needed for every
+    method but "rtn". `calibration` describes the calibration data in the heads config."""
+    if method not in METHODS:
+        raise ValueError(f"method={method!r}: choose one of {METHODS}")
+    if method != "rtn" and statistics is None:
+        raise ValueError(f"method={method!r} needs calibration inputs (the heads' inputs from training shards)")
+    linears = head_linears(heads)
+
+    def int2(linear: nn.Linear):
+        weight = linear.weight.detach().float()
+        if method == "rtn":
+            return quantize_int2(weight, group_size=group_size)
+        name = next(n for n, lin in linears.items() if lin is linear)
+        hessian = statistics[name].hessian
+        if method == "search":
+            return search_int2(weight, hessian, group_size=group_size)
+        return gptq_int2(weight, hessian, group_size=group_size)
+
+    return heads.quantized(group_size=group_size, int2=int2, method=method, calibration=calibration)
