@@ -23,3 +23,27 @@ def test_a_looked_up_chain_replaces_the_heads_where_there_is_one():
     rows = torch.full((6, 2), 99)
     lookup = {0: [11, 12, 13], 4: [77]}
     assert replay_tree(chain_tree(2), rows, answer, lambda r: lookup.get(r, [])) == [4, 1]
+
+
+def test_scores_are_reported_per_context_length_bucket(tmp_path, tiny_model, tiny_model_dir):
+    """Two answers, one after a short prompt and one after a long conversation: each lands in
+    its own bucket, with its own rows."""
+    from training.data import write_shard
+    from training.evaluate import context_bucket, evaluate_heads
+    from vllm_mtpspec.heads_init import init_heads
+
+    assert [context_bucket(n) for n in (1, 256, 257, 1024, 1500)] == ["<=256", "<=256", "257-512", "513-1024",
+                                                                       ">1024"]
+    d, vocab = tiny_model.config.hidden_size, tiny_model.config.vocab_size
+    lengths = (12, 20)
+    write_shard(tmp_path, 0, {"ids": ["a", "b#1"], "categories": ["general", "code"],
+                              "prompt_ids": [[1] * 30, [1] * 1300], "offsets": torch.tensor([0, 12, 32]),
+                              "tokens": torch.randint(0, vocab, (32,), dtype=torch.int32),
+                              "hidden": torch.randn(32, d).half()})
+    heads = init_heads(tiny_model, tiny_model_dir, num_heads=2)
+    embed = tiny_model.get_input_embeddings().weight.detach()
+    report = evaluate_heads(heads, sorted(tmp_path.glob("shard-*.pt")), lm_head=embed, embed=embed)
+    buckets = report["per_context_length"]
+    assert set(buckets) == {"<=256", ">1024"}
+    assert buckets["<=256"]["rows"] == lengths[0] - 1 and buckets[">1024"]["rows"] == lengths[1] - 1
+    assert set(buckets[">1024"]["mean_accepted_len"]) == set(report["mean_accepted_len"])

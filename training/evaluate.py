@@ -19,6 +19,20 @@ from vllm_mtpspec.heads import MTPHeads
 from vllm_mtpspec.lookup import lookup_draft
 from vllm_mtpspec.tree import TreeShape, build_static_shape
 
+# Context length (prompt tokens, the conversation so far for later turns) buckets reported apart.
+CONTEXT_BUCKETS = (256, 512, 1024)
+
+
+def context_bucket(prompt_tokens: int) -> str:
+    """'<=256', '257-512', '513-1024', '>1024' prompt tokens."""
+    low = 0
+    for high in CONTEXT_BUCKETS:
+        if prompt_tokens <= high:
+            return f"<={high}" if low == 0 else f"{low + 1}-{high}"
+        low = high
+    return f">{CONTEXT_BUCKETS[-1]}"
+
+
 TEMPERATURE_GRID = [0.25, 0.35, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0, 1.1, 1.25, 1.5, 1.75, 2.0, 2.5, 3.0]
 RANKS = 8
 
@@ -78,16 +92,20 @@ def evaluate_heads(heads: MTPHeads, shard_files: list[Path], *, lm_head: torch.T
     hits = torch.zeros(k, max_rank)          # hits[i, r]: target is head i's r-th candidate
     rows = torch.zeros(k)
     per_cat = defaultdict(lambda: torch.zeros(3, k))  # [top1, top5, count]
+    per_len = defaultdict(lambda: torch.zeros(3, k))  # the same by context-length bucket
     nll = torch.zeros(k, len(TEMPERATURE_GRID))
     fitted_rows = [0] * k
     replays = list(trees) + (["chain+lookup"] if prompt_lookup and "chain" in shapes else [])
     accepted = {name: [] for name in replays}
     accepted_cat = {name: defaultdict(list) for name in replays}
+    accepted_len = {name: defaultdict(list) for name in replays}
     for file in shard_files:
         shard = torch.load(file, weights_only=True)
         offsets = shard["offsets"].tolist()
         for j, (start, end) in enumerate(zip(offsets[:-1], offsets[1:])):
             category = shard["categories"][j]
+            prompts = shard.get("prompt_ids")
+            bucket = "unknown" if prompts is None else context_bucket(len(prompts[j]))
             tokens = shard["tokens"][start:end].long()
             hidden = shard["hidden"][start:end]
             n = tokens.numel()
@@ -104,10 +122,10 @@ def evaluate_heads(heads: MTPHeads, shard_files: list[Path], *, lm_head: torch.T
                     match = cand == target[:, None]
                     hits[i] += match.sum(0).float()
                     rows[i] += valid.sum()
-                    stats = per_cat[category]
-                    stats[0, i] += match[:, 0].sum()
-                    stats[1, i] += match[:, :5].any(-1).sum()
-                    stats[2, i] += valid.sum()
+                    for stats in (per_cat[category], per_len[bucket]):
+                        stats[0, i] += match[:, 0].sum()
+                        stats[1, i] += match[:, :5].any(-1).sum()
+                        stats[2, i] += valid.sum()
                     if fit_temperatures and fitted_rows[i] < temperature_rows:  # a sample is enough for one scalar
                         fitted_rows[i] += int(valid.sum())
                         lg = logits[valid, i].float()
@@ -121,6 +139,7 @@ def evaluate_heads(heads: MTPHeads, shard_files: list[Path], *, lm_head: torch.T
                 lengths = replay_tree(shape, node_tokens, tokens)
                 accepted[name].extend(lengths)
                 accepted_cat[name][category].extend(lengths)
+                accepted_len[name][bucket].extend(lengths)
                 if name == "chain" and "chain+lookup" in accepted:
                     context = np.asarray(list(shard["prompt_ids"][j]) + tokens.tolist())
                     first = len(shard["prompt_ids"][j])
@@ -131,6 +150,7 @@ def evaluate_heads(heads: MTPHeads, shard_files: list[Path], *, lm_head: torch.T
                     lengths = replay_tree(shape, node_tokens, tokens, lookup)
                     accepted["chain+lookup"].extend(lengths)
                     accepted_cat["chain+lookup"][category].extend(lengths)
+                    accepted_len["chain+lookup"][bucket].extend(lengths)
     rank_accuracy = (hits / rows.clamp_min(1)[:, None])
     summary = {
         "rows": int(rows[0].item()),
@@ -139,16 +159,22 @@ def evaluate_heads(heads: MTPHeads, shard_files: list[Path], *, lm_head: torch.T
         "rank_accuracy": [[round(float(v), 4) for v in rank_accuracy[i]] for i in range(k)],
         "mean_accepted_len": {name: round(sum(v) / max(len(v), 1), 4) for name, v in accepted.items()},
         "tree_nodes": {name: len(shape) for name, shape in shapes.items()},
-        "per_category": {
-            cat: {
-                "rows": int(stats[2, 0]),
-                "top1": [round(float(stats[0, i] / stats[2, i].clamp_min(1)), 4) for i in range(k)],
-                "top5": [round(float(stats[1, i] / stats[2, i].clamp_min(1)), 4) for i in range(k)],
-                "mean_accepted_len": {name: round(sum(v[cat]) / max(len(v[cat]), 1), 4) for name, v in accepted_cat.items()},
-            }
-            for cat, stats in sorted(per_cat.items())
-        },
+        "per_category": _per_group(per_cat, accepted_cat, k),
+        "per_context_length": _per_group(per_len, accepted_len, k),
     }
     if fit_temperatures:
         summary["temperatures"] = [TEMPERATURE_GRID[int(nll[i].argmin())] for i in range(k)]
     return summary
+
+
+def _per_group(stats_by_group: dict, accepted_by_group: dict, k: int) -> dict:
+    return {
+        group: {
+            "rows": int(stats[2, 0]),
+            "top1": [round(float(stats[0, i] / stats[2, i].clamp_min(1)), 4) for i in range(k)],
+            "top5": [round(float(stats[1, i] / stats[2, i].clamp_min(1)), 4) for i in range(k)],
+            "mean_accepted_len": {name: round(sum(v[group]) / max(len(v[group]), 1), 4)
+                                  for name, v in accepted_by_group.items()},
+        }
+        for group, stats in sorted(stats_by_group.items())
+    }

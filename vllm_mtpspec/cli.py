@@ -285,6 +285,9 @@ def cmd_eval_heads(args) -> int:
         print(f"mean accepted length, {tree} tree ({report['tree_nodes'][tree]} nodes): {value:.3f}")
     for cat, stats in report["per_category"].items():
         print(f"  [{cat}] rows {stats['rows']}: top-1 {stats['top1']}, accepted {stats['mean_accepted_len']}")
+    for bucket, stats in report["per_context_length"].items():
+        print(f"  [context {bucket} tokens] rows {stats['rows']}: top-1 {stats['top1']}, "
+              f"accepted {stats['mean_accepted_len']}")
     return 0
 
 
