@@ -97,3 +97,34 @@ def test_chat_stream_concurrency_and_metrics(server):
     after = spec_counters(base)
     assert after["vllm:spec_decode_num_drafts_total"] > before.get("vllm:spec_decode_num_drafts_total", 0)
     assert after["vllm:spec_decode_num_accepted_tokens_total"] > before.get("vllm:spec_decode_num_accepted_tokens_total", 0)
+
+
+# Each bad request, what vLLM's validation answers it with, and a phrase of the answer.
+BAD_REQUESTS = [
+    ("negative max_tokens", {"max_tokens": -1}, 400, "max_tokens must be at least 1"),
+    ("max_tokens past max_model_len", {"max_tokens": 10 ** 9}, 400, "cannot be greater than max_model_len"),
+    ("temperature below 0", {"temperature": -0.5}, 400, "temperature must be non-negative"),
+    ("top_p above 1", {"top_p": 1.5}, 400, "top_p must be in (0, 1]"),
+    ("n = 0", {"n": 0}, 400, "n must be at least 1"),
+    ("unknown logit_bias token", {"logit_bias": {"10000000": 5}}, 400, "out-of-vocab token ids"),
+    ("unknown model", {"model": "no-such-model"}, 404, "does not exist"),
+    ("prompt longer than max_model_len", {"prompt": "word " * 3000}, 400, "maximum context length is 1024"),
+]
+
+
+def test_bad_requests_get_a_clear_4xx_and_the_server_keeps_serving(server):
+    base, model = server
+    seen = {}
+    for name, change, status, phrase in BAD_REQUESTS:
+        body = {"model": model, "prompt": "Hello", "max_tokens": 8, "temperature": 0, **change}
+        reply = requests.post(f"{base}/v1/completions", json=body, timeout=60)
+        seen[name] = reply.status_code
+        assert reply.status_code == status, (name, reply.status_code, reply.text[:300])
+        assert phrase in reply.json()["error"]["message"], (name, reply.text[:300])
+    malformed = requests.post(f"{base}/v1/completions", data="{not json", timeout=60,
+                              headers={"Content-Type": "application/json"})
+    assert 400 <= malformed.status_code < 500, malformed.text[:300]
+    assert requests.get(f"{base}/health", timeout=10).status_code == 200
+    good = requests.post(f"{base}/v1/completions", timeout=120, json={
+        "model": model, "prompt": "The capital of France is", "max_tokens": 8, "temperature": 0})
+    assert good.status_code == 200 and good.json()["usage"]["completion_tokens"] >= 1, seen
