@@ -4,7 +4,8 @@
         --held-out runs/sharegpt-sd/held-out --calibration runs/sharegpt-sd/train \
         --methods rtn,search,gptq --group-sizes 64 --out benchmarks/results/int2_methods
 
-Calibration rows come from training shards (never the held-out ones). For every method:
+Calibration rows come from training shards (never the held-out ones); `qat` starts from
+GPTQ and trains on all the calibration shards' rows (training/quantize_aware.py). For every method:
 per-head top-1, chain and consensus accepted length (the training job's evaluation,
 training/evaluate.py), bytes and bits per weight; written as JSON and a Markdown table.
 """
@@ -29,7 +30,9 @@ def main() -> None:
     parser.add_argument("--held-out", required=True, help="shards to score on")
     parser.add_argument("--calibration", required=True, help="training shards for the calibrated methods")
     parser.add_argument("--calibration-rows", type=int, default=32768)
-    parser.add_argument("--methods", default="rtn,search,gptq")
+    parser.add_argument("--methods", default="rtn,search,gptq", help="from rtn, search, gptq, qat")
+    parser.add_argument("--qat-steps", type=int, default=300, help="qat: fake-quantized training steps after GPTQ")
+    parser.add_argument("--qat-lr", type=float, default=1e-5)
     parser.add_argument("--group-sizes", default="64")
     parser.add_argument("--model", default="smollm2-135m-instruct")
     parser.add_argument("--out", required=True, help="path prefix for .json and .md")
@@ -58,8 +61,16 @@ def main() -> None:
     for group_size in [int(g) for g in args.group_sizes.split(",")]:
         for method in args.methods.split(","):
             started = time.perf_counter()
-            quantized = quantize_heads(heads, method=method, group_size=group_size,
-                                       statistics=None if method == "rtn" else statistics, calibration=described)
+            if method == "qat":
+                from training.examples import load_examples
+                from training.quantize_aware import quantize_aware
+
+                examples = load_examples(list_shards(args.calibration), heads.num_heads)
+                quantized = quantize_aware(heads, examples, lm_head=lm_head, embed=embed, steps=args.qat_steps,
+                                           lr=args.qat_lr, group_size=group_size, statistics=statistics)
+            else:
+                quantized = quantize_heads(heads, method=method, group_size=group_size,
+                                           statistics=None if method == "rtn" else statistics, calibration=described)
             seconds = time.perf_counter() - started
             directory = save_heads(quantized, Path(args.save_dir) / f"int2-{method}-g{group_size}")
             score(f"int2 {method}, group {group_size}", quantized, seconds, directory)

@@ -70,7 +70,7 @@ def test_posthoc_job_two_workers_survives_a_killed_worker(tiny_smol_teacher, tin
         model=str(tiny_smol_teacher), train_data=str(tiny_data / "train"), held_out_data=str(tiny_data / "held"),
         num_heads=3, epochs=6, batch_size=16, lr=3e-3, num_negatives=256, num_workers=2,
         storage_path=str(tmp_path / "ray"), name="posthoc", checkpoint_every=4, fail_at_step=6, max_failures=1,
-        out=str(tmp_path / "heads"),
+        out=str(tmp_path / "heads"), quantize_aware_steps=5,
     )
     summary = run_training(config)
     rows = metrics(tmp_path / "ray" / "posthoc")
@@ -82,6 +82,10 @@ def test_posthoc_job_two_workers_survives_a_killed_worker(tiny_smol_teacher, tin
     assert Path(summary["loss_curves"]).is_file()
     assert len(summary["held_out"]["fp32"]["top1"]) == 3
     assert summary["held_out"]["fp32"]["mean_accepted_len"]["chain"] >= 1.0
+    # The INT2 copy is GPTQ's, fine-tuned (quantize_aware_steps); it is scored beside the FP heads.
+    int2_config = json.loads((Path(summary["int2_dir"]) / "config.json").read_text())
+    assert int2_config["quantization"]["method"] == "qat"
+    assert len(summary["held_out"]["int2"]["top1"]) == 3
     # The exported heads (and their INT2 copy) load against the model and decode losslessly.
     target = load_target(str(tiny_smol_teacher), dtype="fp32")
     ids = target.tokenizer.encode("Hello there", add_special_tokens=False)

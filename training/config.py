@@ -59,6 +59,9 @@ class TrainConfig:
     # Output
     out: str = "runs/heads"
     int2_group_size: int | None = 64           # also write an INT2 copy (None: don't)
+    int2_method: str = "rtn"                   # rtn, search or gptq (calibrated on the training shards)
+    quantize_aware_steps: int = 0              # > 0: GPTQ, then this many fake-quantized training steps
+    int2_calibration_shards: int = 4           # training shards the calibrated INT2 copy reads
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -67,6 +70,18 @@ class TrainConfig:
             raise TrainConfigError("mode='cotrain' needs 'student': the folder of the model to train with its heads")
         if self.num_heads < 1 or self.batch_size < 1 or self.num_workers < 1:
             raise TrainConfigError("num_heads, batch_size and num_workers must be >= 1")
+        from vllm_mtpspec.quant.calibrated import METHODS
+
+        if self.int2_method not in METHODS:
+            raise TrainConfigError(f"int2_method={self.int2_method!r}: choose one of {METHODS}")
+        if self.quantize_aware_steps < 0 or self.int2_calibration_shards < 1:
+            raise TrainConfigError("quantize_aware_steps must be >= 0 and int2_calibration_shards >= 1")
+        if (self.quantize_aware_steps or self.int2_method != "rtn") and self.mode == "cotrain":
+            raise TrainConfigError("int2_method / quantize_aware_steps calibrate on the target's hidden states in the "
+                                   "shards; co-trained heads read the student's: use int2_method 'rtn' in cotrain mode")
+        if (self.quantize_aware_steps or self.int2_method != "rtn") and not self.int2_group_size:
+            raise TrainConfigError("int2_method / quantize_aware_steps shape the INT2 copy: set int2_group_size "
+                                   "(e.g. 64), or leave them at rtn / 0")
         if self.max_train_shards is not None and self.max_train_shards < 1:
             raise TrainConfigError(f"max_train_shards={self.max_train_shards}: must be >= 1 (or null for all)")
 

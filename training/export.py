@@ -55,7 +55,8 @@ def _export_student(state: dict, student_dir: Path, out: Path) -> Path:
     return out
 
 
-def export_heads(config, checkpoint, *, init_dir: Path, model_dir: Path, held_out: list[Path], metrics_path: Path) -> dict:
+def export_heads(config, checkpoint, *, init_dir: Path, model_dir: Path, held_out: list[Path], metrics_path: Path,
+                 train_shards: list[Path] = ()) -> dict:
     from training.evaluate import evaluate_heads
 
     heads = load_heads(init_dir)
@@ -80,7 +81,9 @@ def export_heads(config, checkpoint, *, init_dir: Path, model_dir: Path, held_ou
     summary["heads_dir"] = str(out)
     if config.int2_group_size:
         int2_dir = out.with_name(out.name + "-int2")
-        save_heads(heads.quantized(group_size=config.int2_group_size), int2_dir)
+        from training.quantize_aware import int2_copy
+
+        save_heads(int2_copy(heads, config, list(train_shards), lm_head=lm_head, embed=embed), int2_dir)
         summary["int2_dir"] = str(int2_dir)
         if held_out:
             summary["held_out"]["int2"] = evaluate_heads(load_heads(int2_dir), held_out, lm_head=lm_head, embed=embed)

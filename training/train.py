@@ -312,7 +312,7 @@ def run_training(config: TrainConfig) -> dict:
     from training.export import export_heads
 
     summary = export_heads(config, result.checkpoint, init_dir=init_dir, model_dir=heads_base, held_out=held_shards,
-                           metrics_path=metrics_path)
+                           metrics_path=metrics_path, train_shards=train_shards)
     summary["train_rows"] = num_rows
     summary["steps"] = total_steps
     summary["seconds"] = round(time.time() - started, 1)

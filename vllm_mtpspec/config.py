@@ -33,14 +33,14 @@ def reject_unknown_keys(cls, raw: dict[str, Any], *, source: str, noun: str = "f
 class QuantConfig:
     bits: int = 2
     group_size: int = 64
-    method: str = "rtn"              # how the codes were chosen: rtn, search, gptq (quant/calibrated.py)
+    method: str = "rtn"              # how the codes were chosen: rtn, search, gptq, qat
     calibration: str | None = None   # the data the calibrated methods saw
 
     def __post_init__(self) -> None:
-        from vllm_mtpspec.quant.calibrated import METHODS
+        from vllm_mtpspec.quant.calibrated import RECORDED_METHODS
 
-        if self.method not in METHODS:
-            raise ConfigError(f"quantization.method={self.method!r}: one of {METHODS}")
+        if self.method not in RECORDED_METHODS:
+            raise ConfigError(f"quantization.method={self.method!r}: one of {RECORDED_METHODS}")
         if self.bits != 2:
             raise ConfigError(f"quantization.bits={self.bits}: only 2-bit heads are supported")
         if self.group_size <= 0 or self.group_size % 4:
