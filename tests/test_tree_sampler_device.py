@@ -56,13 +56,15 @@ def test_every_tensor_the_sampler_makes_follows_the_logits_device(monkeypatch):
     logits = torch.randn(sum(n + 1 for n in num_drafts), 32, device=device)
     sampled = torch.full((3, 5), -1, device=device)
     handed_to_vllm = []
-    original = __import__("vllm.v1.sample.ops.topk_topp_sampler", fromlist=["apply_top_k_top_p"]).apply_top_k_top_p
+    import vllm.v1.sample.ops.topk_topp_sampler as topk_topp
+
+    original = topk_topp.apply_top_k_top_p
 
     def spy(logits, k, p, *args, **kwargs):
         handed_to_vllm.append((logits.device, None if k is None else k.device, None if p is None else p.device))
         return original(logits, k, p, *args, **kwargs)
 
-    monkeypatch.setattr("vllm.v1.sample.ops.topk_topp_sampler.apply_top_k_top_p", spy)
+    monkeypatch.setattr(topk_topp, "apply_top_k_top_p", spy)
     # Meta tensors hold no values: stop where the verdicts are read back to the host.
     monkeypatch.setattr(tree_sampler, "read_verdicts", lambda batch, emitted, walked: [])
     with TensorRecorder() as recorder:
