@@ -16,7 +16,8 @@ import torch
 from tqdm import tqdm
 
 from vllm_mtpspec.heads import MTPHeads
-from vllm_mtpspec.heads_quant import head_linears, input_statistics, quantize_heads
+from vllm_mtpspec.calibration_data import statistics_from_rows
+from vllm_mtpspec.heads_quant import head_linears, quantize_heads
 from vllm_mtpspec.quant import dequantize_int2
 from vllm_mtpspec.quant.fake_int2 import attach, pack
 
@@ -27,14 +28,9 @@ def statistics_from_examples(heads: MTPHeads, examples: dict, embed: torch.Tenso
                              max_rows: int = 32768):
     rows = min(max_rows, len(examples["token"]))
     hidden = torch.as_tensor(examples["hidden"][:rows]).float()
-    tokens = torch.as_tensor(examples["token"][:rows]).long()
-
-    def batches():
-        for start in range(0, rows, 1024):
-            e = embed[tokens[start:start + 1024]] if heads.config.token_conditioned else None
-            yield hidden[start:start + 1024], e
-
-    return input_statistics(heads, batches(), lm_head=lambda x: x @ lm_head.T), rows
+    tokens = torch.as_tensor(examples["token"][:rows])
+    chunks = ((hidden[i:i + 1024], tokens[i:i + 1024]) for i in range(0, rows, 1024))
+    return statistics_from_rows(heads, chunks, embed=embed, lm_head=lm_head), rows
 
 
 def quantize_aware(heads: MTPHeads, examples: dict, *, lm_head: torch.Tensor, embed: torch.Tensor, steps: int,

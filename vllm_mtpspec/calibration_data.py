@@ -35,9 +35,20 @@ def shard_rows(files: list[Path], max_rows: int, read: list[Path] | None = None)
         left -= hidden.shape[0]
 
 
+def statistics_from_rows(heads: MTPHeads, chunks, *, embed: torch.Tensor, lm_head: torch.Tensor):
+    """Input statistics of every head matrix from (hidden [n, d], tokens [n]) chunks: the
+    tokens' embeddings feed token-conditioned heads, lm_head [V, d] untied projections."""
+    from vllm_mtpspec.heads_quant import input_statistics
+
+    def batches():
+        for hidden, tokens in chunks:
+            yield hidden, embed[tokens.long()] if heads.config.token_conditioned else None
+
+    return input_statistics(heads.float(), batches(), lm_head=lambda x: x @ lm_head.T)
+
+
 def heads_statistics_from_shards(heads: MTPHeads, shards_dir: str | Path, *, model: str, max_rows: int):
     """(input statistics per matrix, a description of the data for the heads config)."""
-    from vllm_mtpspec.heads_quant import input_statistics
     from vllm_mtpspec.models import resolve_model
     from vllm_mtpspec.quant import QuantError
     from vllm_mtpspec.weights import embedding_and_lm_head
@@ -48,10 +59,10 @@ def heads_statistics_from_shards(heads: MTPHeads, shards_dir: str | Path, *, mod
         raise QuantError(f"--model {model}: hidden size {embed.shape[1]}, the heads' is {heads.config.hidden_size}")
     rows, read = [0], []
 
-    def batches():
+    def counted():
         for hidden, tokens in shard_rows(files, max_rows, read):
             rows[0] += hidden.shape[0]
-            yield hidden, embed[tokens.long()] if heads.config.token_conditioned else None
+            yield hidden, tokens
 
-    stats = input_statistics(heads.float(), batches(), lm_head=lambda x: x @ lm_head.T)
+    stats = statistics_from_rows(heads, counted(), embed=embed, lm_head=lm_head)
     return stats, f"{rows[0]} rows of {Path(shards_dir).name}/{read[0].name}..{read[-1].name}"
