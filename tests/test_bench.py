@@ -3,6 +3,7 @@ draft model, the report's arithmetic, tables and plots."""
 import json
 
 import pytest
+import torch
 
 from vllm_mtpspec.bench.draft_model import truncated_copy
 from vllm_mtpspec.bench.methods import Method, build_methods
@@ -31,12 +32,12 @@ def test_batches_repeat_prompts_to_fill_every_batch():
 
 def test_unknown_methods_are_named(tmp_path):
     with pytest.raises(ValueError, match="unknown \\['medusa'\\]"):
-        build_methods(["none", "medusa"], model_dir="m", heads_dir="h", num_heads=[2], quants=["fp"],
+        build_methods(["none", "medusa"], model_dir="m", heads_dirs=["h"], num_heads=[2], quants=["fp"],
                       tree="consensus", work_dir=tmp_path)
 
 
 def test_mtpspec_variants_per_head_count_and_prompt_lookup(tmp_path):
-    methods = build_methods(["ngram", "mtpspec-chain"], model_dir="m", heads_dir="h", num_heads=[2, 3],
+    methods = build_methods(["ngram", "mtpspec-chain"], model_dir="m", heads_dirs=["h"], num_heads=[2, 3],
                             quants=["fp"], tree="consensus", work_dir=tmp_path, lookups=[False, True])
     assert [m.name for m in methods] == ["ngram", "mtpspec-chain k=2", "mtpspec-chain k=2 +lookup",
                                          "mtpspec-chain k=3", "mtpspec-chain k=3 +lookup"]
@@ -122,15 +123,22 @@ def test_bench_end_to_end_writes_json_markdown_and_plot(tmp_path):
         assert image.size[0] > 1000
 
 
-def test_draft_size_variants_learned_and_fixed(tmp_path):
+def test_draft_size_variants_fixed_learned_and_planned(tmp_path):
     from vllm_mtpspec.config import SpecOptions
 
-    methods = build_methods(["mtpspec-chain"], model_dir="m", heads_dir="h", num_heads=[3], quants=["fp"],
-                            tree="consensus", work_dir=tmp_path, draft_sizes=["fixed", "adaptive"])
-    assert [m.name for m in methods] == ["mtpspec-chain k=3 +lookup", "mtpspec-chain k=3 +lookup adaptive-size"]
+    methods = build_methods(["mtpspec-chain"], model_dir="m", heads_dirs=["h"], num_heads=[3], quants=["fp"],
+                            tree="consensus", work_dir=tmp_path, draft_sizes=["fixed", "adaptive", "planned"])
+    assert [m.name for m in methods] == ["mtpspec-chain k=3 +lookup", "mtpspec-chain k=3 +lookup adaptive-size",
+                                         "mtpspec-chain k=3 +lookup planned-size"]
     options = [SpecOptions.from_dict({k: v for k, v in m.speculative_config.items() if k not in ("method", "model")})
                for m in methods]
-    assert [o.adaptive_draft_size for o in options] == [False, True]
+    assert [o.draft_size_rule("fixed") for o in options] == ["fixed", "learned", "planned"]
+
+
+def test_a_second_engine_without_speculation_measures_the_noise(tmp_path):
+    methods = build_methods(["none", "none-again"], model_dir="m", heads_dirs=["h"], num_heads=[3], quants=["fp"],
+                            tree="consensus", work_dir=tmp_path)
+    assert [(m.name, m.speculative_config) for m in methods] == [("none", None), ("none (again)", None)]
 
 
 def test_an_unknown_draft_size_is_named(capsys):
@@ -138,3 +146,16 @@ def test_an_unknown_draft_size_is_named(capsys):
 
     with pytest.raises(SystemExit, match="--draft-size: 'learned': choose from fixed, adaptive"):
         _choices("learned", ("fixed", "adaptive"), "--draft-size")
+
+
+def test_rows_of_several_heads_are_labelled_by_draft_vocabulary_or_name(tiny_model, tiny_model_dir, tmp_path):
+    from vllm_mtpspec.checkpoint import save_heads
+    from vllm_mtpspec.heads_init import init_heads
+
+    heads = init_heads(tiny_model, tiny_model_dir, num_heads=2)
+    full = save_heads(heads, tmp_path / "v5")
+    small = save_heads(heads.with_draft_vocab(torch.arange(64)), tmp_path / "v5-small")
+    methods = build_methods(["mtpspec-chain"], model_dir="m", heads_dirs=[str(full), str(small)], num_heads=[2],
+                            quants=["fp"], tree="consensus", work_dir=tmp_path)
+    assert [m.name for m in methods] == ["mtpspec-chain k=2 +lookup [v5]", "mtpspec-chain k=2 +lookup vocab=64"]
+    assert [m.speculative_config["model"] for m in methods] == [str(full), str(small)]

@@ -136,3 +136,17 @@ def test_unknown_options_and_presets_are_named():
         SpecOptions(tree="bushy")
     with pytest.raises(ConfigError, match=r"unknown option\(s\) \['max_nodes'\]"):
         SpecOptions.from_dict({"max_nodes": 3})
+
+
+def test_draft_size_rules_and_their_conflicts_are_named():
+    assert SpecOptions().draft_size_rule("fixed") == "fixed"
+    assert SpecOptions(adaptive_draft_size=True).draft_size_rule("fixed") == "learned"
+    assert SpecOptions(draft_size="planned").draft_size_rule("fixed") == "planned"
+    # A platform that plans by default still gives trees a rule that can size them.
+    assert SpecOptions(tree="consensus").draft_size_rule("planned") == "fixed"
+    with pytest.raises(ConfigError, match=r"draft_size='guess': choose one of \('fixed', 'learned', 'planned'\)"):
+        SpecOptions(draft_size="guess")
+    with pytest.raises(ConfigError, match="adaptive_draft_size=true .* and draft_size='planned' disagree"):
+        SpecOptions(adaptive_draft_size=True, draft_size="planned")
+    with pytest.raises(ConfigError, match="draft_size='planned' plans chains, and tree='dynamic' was asked"):
+        SpecOptions(draft_size="planned", tree="dynamic")

@@ -8,7 +8,7 @@ import torch
 from vllm_mtpspec.cli import build_parser, main
 
 SUBCOMMANDS = [[], ["models"], ["models", "fetch"], ["models", "list"], ["heads"], ["heads", "init"],
-               ["heads", "info"], ["heads", "quantize"], ["heads", "cast"], ["decode"], ["demo"]]
+               ["heads", "info"], ["heads", "quantize"], ["heads", "cast"], ["heads", "draft-vocab"], ["decode"], ["demo"]]
 
 
 @pytest.mark.parametrize("words", SUBCOMMANDS, ids=lambda w: " ".join(w) or "mtpspec")
@@ -100,3 +100,25 @@ def test_heads_quantize_calibrated_on_shards(tiny_model_dir, tmp_path, capsys):
                  "--out", str(tmp_path / "q")]) == 0
     quant = load_heads(tmp_path / "q").config.quantization
     assert quant.method == "search" and quant.calibration.startswith("200 rows of")
+
+
+def test_heads_draft_vocab_keeps_the_most_frequent_answer_tokens(tiny_model_dir, tmp_path, capsys):
+    from training.answers import answers_path, write_answers
+    from vllm_mtpspec.checkpoint import load_heads
+
+    out = tmp_path / "heads"
+    assert main(["heads", "init", "--model", str(tiny_model_dir), "--num-heads", "2", "--out", str(out)]) == 0
+    write_answers(answers_path(tmp_path / "answers", 0), ["a", "b"], ["chat", "chat"], [[1, 2], [3]],
+                  [[9, 9, 9, 4, 4, 7], [4, 9, 200]], fingerprint="f", vocab_size=256)
+    assert main(["heads", "draft-vocab", str(out), "--size", "3", "--answers", str(tmp_path / "answers"),
+                 "--out", str(tmp_path / "dv")]) == 0
+    assert "3 most frequent tokens of 9 answer tokens" in capsys.readouterr().err
+    assert load_heads(tmp_path / "dv").draft_vocab.tolist() == [9, 4, 7]
+    assert main(["heads", "info", str(tmp_path / "dv"), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["draft_vocab_size"] == 3
+    assert main(["heads", "draft-vocab", str(out), "--size", "3", "--answers", str(tmp_path / "empty"),
+                 "--out", str(tmp_path / "dv2")]) == 2
+    assert "holds no answers-*.npz files" in capsys.readouterr().err
+    assert main(["heads", "draft-vocab", str(out), "--size", "0", "--answers", str(tmp_path / "answers"),
+                 "--out", str(tmp_path / "dv2")]) == 2
+    assert "--size 0: must lie in 1..256" in capsys.readouterr().err

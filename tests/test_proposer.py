@@ -256,3 +256,92 @@ def test_without_a_distributed_group_the_proposer_decides_alone():
     assert tensor_parallel_group() is None  # no vLLM worker in this process
     decision = RankZeroDecision(None)
     assert decision.decides_here and decision(lambda: 3) == 3
+
+
+def test_the_planners_lengths_cut_each_requests_chain(make_proposer):
+    p, heads, model = make_proposer(draft_size="planned")
+    assert p.planner is not None and p.draft_sizes is None
+    hidden = torch.randn(3, model.config.hidden_size)
+    offered = []
+
+    def plan(req_ids, candidates, *, sampled, drafting_seconds=0.0):
+        offered.append((list(req_ids), candidates, sampled))
+        return [1, 0, 3]
+
+    p.planner.plan = plan
+    p.capture_step(hidden, None, ["a", "b", "c"], decode_only=True, sampled=[False, True, False].__getitem__)
+    drafts = p.propose([[1], [2], [3]])
+    assert drafts[0] == expected_chain(heads, model, hidden[0])[:1]
+    assert drafts[1] == []
+    assert drafts[2] == expected_chain(heads, model, hidden[2])
+    req_ids, candidates, sampled = offered[0]
+    assert req_ids == ["a", "b", "c"] and sampled
+    assert [c.source for c in candidates] == ["heads"] * 3 and [c.sampled for c in candidates] == [False, True, False]
+    # Each offered draft carries the heads' path probability, which only falls.
+    for c in candidates:
+        assert len(c.path_probs) == c.length == 3 and list(c.path_probs) == sorted(c.path_probs, reverse=True)
+
+
+def test_while_the_planner_rests_the_heads_only_lookup_drafts_are_offered(make_proposer):
+    import numpy as np
+
+    p, heads, model = make_proposer(draft_size="planned", prompt_lookup_max=3)
+    p.planner.wants_heads = lambda batch_size, sampled: False
+    calls = []
+    original_hidden = p.heads.hidden
+    p.heads.hidden = lambda *a, **k: calls.append(1) or original_hidden(*a, **k)
+    token_ids = np.zeros((2, 16), dtype=np.int64)
+    token_ids[0, :9] = [4, 5, 6, 7, 8, 9, 4, 5, 6]  # "4 5 6" occurred before: 7 8 9 followed
+    token_ids[1, :5] = [10, 11, 12, 13, 14]
+    p.capture_step(torch.randn(2, model.config.hidden_size), None, ["a", "b"], decode_only=True)
+    drafts = p.propose([[6], [14]], num_tokens_no_spec=np.array([9, 5]), token_ids_cpu=token_ids)
+    assert drafts == [[7, 8, 9], []] and not calls
+
+
+def test_the_planner_learns_from_what_each_step_verified_and_how_long_it_took(make_proposer):
+    p, _, model = make_proposer(draft_size="planned")
+    now = [0.0]
+    p.planner.clock = lambda: now[0]
+    p.capture_step(torch.randn(2, model.config.hidden_size), None, ["a", "b"], decode_only=True)
+    assert [len(d) for d in p.propose([[1], [2]])] == [3, 3]  # nothing measured yet: everything
+    now[0] += 0.5
+    # "a" kept 2 of its 3 drafts, "b" none.
+    p.capture_step(torch.randn(8, model.config.hidden_size), SimpleNamespace(num_draft_tokens=[3, 3]), ["a", "b"],
+                   decode_only=True)
+    p.propose([[5, 6, 7], [8]])
+    assert p.planner.costs.curve(2, False).seconds(8) == 0.5
+
+
+def draft_lengths_on_two_planning_ranks(make_proposer, share: bool, steps=120):
+    from vllm_mtpspec.vllm.parallel import RankZeroDecision
+
+    ranks = [make_proposer(draft_size="planned")[0] for _ in range(2)]
+    broadcast = SharedBroadcast()
+    # Every draft is kept. Rank 0's clock says verification is free, rank 1's that every
+    # query token costs more than a step without drafts.
+    costs = (lambda q: 0.05, lambda q: 0.01 * q ** 1.5)
+    clocks = [[0.0], [0.0]]
+    for rank, p in enumerate(ranks):
+        p.planner.clock = lambda now=clocks[rank]: now[0]
+        if share:
+            p.__dict__["_rank_zero"] = RankZeroDecision(broadcast.rank(rank))
+    lengths = [[], []]
+    hidden = torch.randn(2 + 2 * 3, ranks[0].heads_config.hidden_size, generator=torch.Generator().manual_seed(0))
+    sent = [None, None]
+    for _ in range(steps):
+        for rank, p in enumerate(ranks):
+            meta = None if sent[rank] is None else SimpleNamespace(num_draft_tokens=sent[rank])
+            rows = hidden[:2 + (0 if meta is None else sum(sent[rank]))]
+            p.capture_step(rows, meta, ["a", "b"], decode_only=True)
+            drafts = p.propose([[1] * (1 + n) for n in (sent[rank] or [0, 0])])
+            sent[rank] = [len(d) for d in drafts]
+            clocks[rank][0] += costs[rank](2 + sum(sent[rank]))
+            lengths[rank].append(sent[rank])
+    return lengths
+
+
+def test_every_tensor_parallel_rank_sends_the_plan_rank_zero_made(make_proposer):
+    alone = draft_lengths_on_two_planning_ranks(make_proposer, share=False)
+    assert alone[0][-20:] != alone[1][-20:], "the two clocks must lead to different plans for this test to mean anything"
+    shared = draft_lengths_on_two_planning_ranks(make_proposer, share=True)
+    assert shared[0] == shared[1] and shared[0] == alone[0]

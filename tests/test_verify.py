@@ -73,3 +73,20 @@ def test_the_statistical_test_catches_a_wrong_residual():
     right = [verify_sampled(shape, torch.multinomial(draft[0], 1, generator=gen), target, draft_probs=draft,
                             generator=gen).emitted[0] for _ in range(TRIALS)]
     assert_follows(right, target[0])
+
+
+def test_drafts_from_a_draft_vocabulary_keep_the_target_distribution():
+    # The draft puts no mass outside its vocabulary (the first half of the tokens); the
+    # target's tokens outside it still come out at their rate, through the residual.
+    shape = chain_tree(2)
+    target = random_dists(3, seed=8)
+    draft = random_dists(2, seed=9)
+    draft[:, VOCAB // 2:] = 0.0
+    draft /= draft.sum(-1, keepdim=True)
+    gen = torch.Generator().manual_seed(10)
+    first = []
+    for _ in range(TRIALS):
+        tokens = torch.stack([torch.multinomial(draft[d], 1, generator=gen)[0] for d in range(2)])
+        first.append(verify_sampled(shape, tokens, target, draft_probs=draft, generator=gen).emitted[0])
+    assert_follows(first, target[0])
+    assert any(t >= VOCAB // 2 for t in first)

@@ -57,6 +57,12 @@ def measured_draft_sizes(worker) -> dict[int, dict[int, float]]:
     return {b: controller.tokens_per_second(b) for b in (1, 2, 4, 8)}
 
 
+def planned_step_costs(worker) -> dict[int, list[int]]:
+    """For LLM.collective_rpc: batch size -> the query-token counts the draft planner timed."""
+    costs = worker.model_runner.drafter.planner.costs
+    return {b: costs.curve(b, False).fit()[0] if costs.curve(b, False).measured else [] for b in (1, 2, 4, 8)}
+
+
 def spec_metrics(llm) -> dict:
     found = {}
     for metric in llm.get_metrics():
@@ -120,16 +126,17 @@ def test_untied_int2_heads_load_and_stay_lossless(model_dir, untied_int2_heads_d
     assert metrics["vllm:spec_decode_num_drafts"] > 0
 
 
-@pytest.mark.parametrize("which", ["fp", "int2"])
-def test_greedy_output_is_unchanged_and_drafts_are_accepted(model_dir, heads_dir, int2_heads_dir, baseline, which):
+@pytest.mark.parametrize("which,draft_size", [("fp", "learned"), ("int2", "planned")])
+def test_greedy_output_is_unchanged_and_drafts_are_accepted(model_dir, heads_dir, int2_heads_dir, baseline, which,
+                                                            draft_size):
     heads = heads_dir if which == "fp" else int2_heads_dir
     llm = build(model_dir, speculative_config={"method": "mtpspec", "model": str(heads), "num_speculative_tokens": 3,
-                                               "adaptive_draft_size": True})
+                                               "draft_size": draft_size})
     outputs = greedy(llm)
     metrics = spec_metrics(llm)
-    measured = llm.collective_rpc(measured_draft_sizes)[0]
+    measured = llm.collective_rpc(measured_draft_sizes if draft_size == "learned" else planned_step_costs)[0]
     close(llm)
-    # The draft-size controller timed the steps once prompts were prefilled.
+    # The draft-size controller (or the planner) timed the steps once prompts were prefilled.
     assert any(measured.values()), measured
     assert [len(o) for o in outputs] == [len(b) for b in baseline]
     assert outputs == baseline

@@ -39,11 +39,14 @@ RANKS = 8
 
 @torch.no_grad()
 def answer_head_logits(heads: MTPHeads, hidden, tokens, lm_head, embed, chunk: int = 256):
-    """Yields (row slice, logits [rows, k, V]) for one answer's rows."""
+    """Yields (row slice, logits [rows, k, V] over the target's vocabulary) for one
+    answer's rows. lm_head: the target's [V, d] weight, or the heads' projection of it
+    (MTPHeads.lm_head_for, made once by the caller)."""
+    project = heads.lm_head_for(lm_head) if isinstance(lm_head, torch.Tensor) else lm_head
     for start in range(0, hidden.shape[0], chunk):
         h = hidden[start:start + chunk].float()
         e = embed[tokens[start:start + chunk].long()] if heads.config.token_conditioned else None
-        yield slice(start, start + h.shape[0]), heads(h, token_embeds=e, lm_head=lambda x: x @ lm_head.T)
+        yield slice(start, start + h.shape[0]), heads.target_vocab_logits(heads(h, token_embeds=e, lm_head=project))
 
 
 def replay_tree(shape: TreeShape, node_tokens_per_row: torch.Tensor, answer: torch.Tensor,
@@ -85,6 +88,7 @@ def evaluate_heads(heads: MTPHeads, shard_files: list[Path], *, lm_head: torch.T
                    prompt_lookup: tuple[int, int] | None = (2, 4)) -> dict:
     """prompt_lookup: (min_n, max_n) to also replay `chain+lookup` (lookup.py), or None."""
     heads = heads.float().eval()
+    project = heads.lm_head_for(lm_head)
     k = heads.num_heads
     shapes = {name: build_static_shape(name, k, max_nodes=max_tree_nodes, rank_accuracy=heads.config.rank_accuracy)
               for name in trees}
@@ -110,7 +114,7 @@ def evaluate_heads(heads: MTPHeads, shard_files: list[Path], *, lm_head: torch.T
             hidden = shard["hidden"][start:end]
             n = tokens.numel()
             topk_all = torch.empty(n, k, max_rank, dtype=torch.long)
-            for rows_slice, logits in answer_head_logits(heads, hidden, tokens, lm_head, embed):
+            for rows_slice, logits in answer_head_logits(heads, hidden, tokens, project, embed):
                 topk_all[rows_slice] = logits.topk(max_rank, dim=-1).indices
                 for i in range(k):
                     idx = torch.arange(rows_slice.start, rows_slice.stop)
@@ -130,8 +134,9 @@ def evaluate_heads(heads: MTPHeads, shard_files: list[Path], *, lm_head: torch.T
                         fitted_rows[i] += int(valid.sum())
                         lg = logits[valid, i].float()
                         for t_idx, temp in enumerate(TEMPERATURE_GRID):
-                            logp = torch.log_softmax(lg / temp, dim=-1)
-                            nll[i, t_idx] -= logp.gather(-1, target[:, None]).sum()
+                            logp = torch.log_softmax(lg / temp, dim=-1).gather(-1, target[:, None])
+                            # A draft vocabulary has no entry for some targets: fit on the rest.
+                            nll[i, t_idx] -= logp[torch.isfinite(logp)].sum()
             for name, shape in shapes.items():
                 depth_idx = torch.tensor([d - 1 for d in shape.depths], dtype=torch.long)
                 rank_idx = torch.tensor(shape.ranks, dtype=torch.long)

@@ -14,6 +14,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from vllm_mtpspec.config import ConfigError, HeadsConfig
+from vllm_mtpspec.draft_vocab import check_id_map
 from vllm_mtpspec.heads import MTPHeads
 from vllm_mtpspec.weights import EMBED, read_tensor
 
@@ -87,8 +88,12 @@ def load_heads(heads_dir: str | Path, *, device: str | torch.device = "cpu", dty
             raise HeadsError(
                 f"{weights_path}: tensor {name!r} has shape {tuple(tensor.shape)}, but config.json "
                 f"(hidden_size={config.hidden_size}, vocab_size={config.vocab_size}, "
-                f"num_heads={config.num_heads}) needs {tuple(expected[name].shape)}"
+                f"num_heads={config.num_heads}, draft_vocab_size={config.draft_vocab_size}) needs "
+                f"{tuple(expected[name].shape)}"
             )
+    if "draft_token_ids" in state and (reason := check_id_map(state["draft_token_ids"], vocab_size=config.vocab_size)):
+        raise HeadsError(f"{weights_path}: the draft vocabulary's id map draft_token_ids {reason}; rebuild it with "
+                         "`mtpspec heads draft-vocab`")
     heads.load_state_dict(state)
     if dtype is not None:
         # Packed codes and their fp16 scales keep their own dtypes.
@@ -96,6 +101,14 @@ def load_heads(heads_dir: str | Path, *, device: str | torch.device = "cpu", dty
             for pname, param in list(module.named_parameters(recurse=False)):
                 param.data = param.data.to(dtype)
     return heads.to(device).eval()
+
+
+def stored_dtype(heads_dir: str | Path) -> torch.dtype | None:
+    """The dtype the heads' floating-point weights are stored in (None: INT2 codes)."""
+    with safe_open(str(Path(heads_dir) / WEIGHTS_FILE), framework="pt") as f:
+        if "block.weight" not in f.keys():
+            return None
+        return f.get_slice("block.weight")[:1].dtype
 
 
 def model_fingerprint(model_dir: str | Path) -> str:

@@ -65,7 +65,7 @@ def heads_summary(heads_dir: str | Path) -> dict:
 
     heads = load_heads(heads_dir)
     config = heads.config
-    weights = [t for name, t in heads.state_dict().items() if not name.endswith("bias")]
+    weights = [t for name, t in heads.state_dict().items() if not name.endswith("bias") and name != "draft_token_ids"]
     quantized_bits = sum(t.numel() * t.element_size() * 8 for t in weights)
     num_weights = sum(
         linear.in_features * linear.out_features
@@ -81,6 +81,7 @@ def heads_summary(heads_dir: str | Path) -> dict:
         "tied": config.tied,
         "head_input": config.head_input,
         "mlp_size": config.mlp_size,
+        "draft_vocab_size": config.draft_vocab_size or config.vocab_size,
         "quantization": None if config.quantization is None else vars(config.quantization),
         "temperatures": config.temperatures,
         "base_model": config.base_model_name,
@@ -143,6 +144,38 @@ def cmd_heads_cast(args) -> int:
         raise HeadsError(f"{args.dir}: INT2 heads keep their packed codes; cast the full-precision heads instead")
     print(save_heads(heads, args.out))
     return 0
+
+
+def cmd_heads_draft_vocab(args) -> int:
+    from vllm_mtpspec.checkpoint import load_heads, save_heads, stored_dtype
+    from vllm_mtpspec.config import ConfigError
+    from vllm_mtpspec.draft_vocab import coverage, most_frequent_tokens
+
+    heads = load_heads(args.dir, dtype=stored_dtype(args.dir))  # the copy keeps the storage dtype
+    if not 0 < args.size <= heads.config.vocab_size:
+        raise ConfigError(f"--size {args.size}: must lie in 1..{heads.config.vocab_size} (the target's vocabulary)")
+    answers = answer_token_arrays(args.answers, vocab_size=heads.config.vocab_size)
+    ids = most_frequent_tokens(answers, vocab_size=heads.config.vocab_size, size=args.size)
+    print(f"{args.size} most frequent tokens of {sum(len(a) for a in answers):,} answer tokens in {args.answers}: "
+          f"{coverage(answers, ids, vocab_size=heads.config.vocab_size):.1%} of them", file=sys.stderr)
+    print(save_heads(heads.with_draft_vocab(ids), args.out))
+    return 0
+
+
+def answer_token_arrays(answers_dirs: str, *, vocab_size: int) -> list:
+    """The answer tokens of every answer file in the comma-separated folders."""
+    import numpy as np
+
+    from training.answers import AnswersError, list_answer_files, read_answers
+
+    arrays = []
+    for folder in [d for d in answers_dirs.split(",") if d]:
+        files = list_answer_files(folder)
+        if not files:
+            raise AnswersError(f"--answers: {folder} holds no answers-*.npz files (python -m training.data writes them)")
+        for path in files:
+            arrays += [np.asarray(a, dtype=np.int64) for a in read_answers(path, vocab_size=vocab_size)["answers"]]
+    return arrays
 
 
 # ---------------------------------------------------------------- decode
@@ -351,6 +384,18 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the target (its input embedding feeds token-conditioned heads during calibration)")
     p.add_argument("--out", required=True)
     p.set_defaults(func=cmd_heads_quantize)
+    p = heads.add_parser("draft-vocab", help="write a copy of tied heads that drafts among the most frequent tokens",
+                         description="Counts the tokens of the target's own answers (the training answer files) and "
+                                     "keeps the --size most frequent as the heads' draft vocabulary: the heads project "
+                                     "onto those rows of the LM head only, and their guesses are mapped back to the "
+                                     "target's ids. Output is unchanged (verification is the target's); drafting is "
+                                     "cheaper, and a token outside the vocabulary is never drafted.")
+    p.add_argument("dir")
+    p.add_argument("--size", type=int, required=True, help="N, the number of tokens kept (e.g. 16384)")
+    p.add_argument("--answers", default="data/self-distilled/smollm2-135m-instruct/train",
+                   help="comma-separated folders of answer files to count (default: the training answers)")
+    p.add_argument("--out", required=True)
+    p.set_defaults(func=cmd_heads_draft_vocab)
     p = heads.add_parser("cast", help="write a copy of a heads directory with its weights stored in fp16/bf16",
                          description="Halves the file; the heads run in the target's dtype whatever they are "
                                      "stored in (vLLM and the reference decoder cast them when loading).")
@@ -436,6 +481,7 @@ def main(argv: list[str] | None = None) -> int:
     from vllm_mtpspec.models import ModelError
     from vllm_mtpspec.prompts import PromptsError
     from vllm_mtpspec.quant import QuantError
+    from training.answers import AnswersError
     from training.config import TrainConfigError
 
     try:
@@ -444,7 +490,7 @@ def main(argv: list[str] | None = None) -> int:
                 args.heads = None
             return args.func(args, rest)
         return args.func(args)
-    except (HeadsError, ConfigError, ModelError, PromptsError, QuantError, TrainConfigError) as err:
+    except (AnswersError, HeadsError, ConfigError, ModelError, PromptsError, QuantError, TrainConfigError) as err:
         print(f"mtpspec: error: {err}", file=sys.stderr)
         return 2
 

@@ -14,6 +14,7 @@ FORMAT_VERSION = 1
 
 HEAD_INPUTS = ("hidden", "hidden+token")
 TREE_PRESETS = ("chain", "consensus", "static", "dynamic")
+DRAFT_SIZES = ("fixed", "learned", "planned")
 
 
 class ConfigError(ValueError):
@@ -66,6 +67,9 @@ class HeadsConfig:
     # (benchmarks/results/head_block_sweep.md); the shipped heads use 4x.
     mlp_size: int = 0
     temperatures: list[float] = field(default_factory=list)
+    # Heads that draft among the N most frequent tokens only (draft_vocab.py); the id map
+    # is the tensor draft_token_ids in heads.safetensors. 0: the whole vocabulary.
+    draft_vocab_size: int = 0
     quantization: QuantConfig | None = None
     base_model_fingerprint: str = ""
     base_model_name: str = ""
@@ -92,6 +96,12 @@ class HeadsConfig:
             raise ConfigError(f"temperatures={self.temperatures}: each must be > 0")
         if isinstance(self.quantization, dict):
             self.quantization = QuantConfig(**self.quantization)
+        if not 0 <= self.draft_vocab_size <= self.vocab_size:
+            raise ConfigError(f"draft_vocab_size={self.draft_vocab_size}: must lie in 0..vocab_size={self.vocab_size} "
+                              "(0: the whole vocabulary)")
+        if self.draft_vocab_size and not self.tied:
+            raise ConfigError(f"draft_vocab_size={self.draft_vocab_size} with tied=false: a draft vocabulary is "
+                              "built for tied heads (they slice the target's LM head); set draft_vocab_size=0")
 
     @property
     def token_conditioned(self) -> bool:
@@ -126,12 +136,17 @@ class SpecOptions:
     dynamic_top_k: int = 4                # candidates per head considered by dynamic trees
     min_path_prob: float = 0.02           # adaptive depth: stop growing below this
     head_rank_accuracy: list[list[float]] | None = None  # static trees: acc[depth][rank]
-    # How much to draft per step: by default a fixed back-off, above batch_backoff_start
-    # running requests one token fewer (and half the tree nodes) per doubling
-    # (batch_backoff_start None: 4 on CPUs, 16 elsewhere); with adaptive_draft_size, learned
-    # from measured tokens per second per batch size (adaptive.py), starting where the
-    # fixed back-off would draft. Off by default: it has not yet beaten the fixed back-off
-    # consistently (benchmarks/RESULTS.md).
+    # How much to draft per step (draft_size; None: the platform's default, "fixed" so far):
+    # - "fixed": a back-off, above batch_backoff_start running requests one token fewer
+    #   (and half the tree nodes) per doubling (batch_backoff_start None: 4 on CPUs, 16
+    #   elsewhere);
+    # - "learned": per batch size, the size with the most measured tokens per second
+    #   (adaptive.py), starting where the fixed back-off would draft;
+    # - "planned": per request and step, the drafts whose expected accepted tokens are
+    #   worth the verify time they add, by the step cost measured while serving
+    #   (draft_planner.py); chains only.
+    # adaptive_draft_size=true is the older spelling of draft_size="learned".
+    draft_size: str | None = None
     adaptive_draft_size: bool = False
     batch_backoff_start: int | None = None
     # Prompt lookup (lookup.py): where the context's last prompt_lookup_min..max tokens
@@ -152,11 +167,28 @@ class SpecOptions:
             raise ConfigError(f"batch_backoff_start={self.batch_backoff_start}: must be >= 1")
         if not isinstance(self.adaptive_draft_size, bool):
             raise ConfigError(f"adaptive_draft_size={self.adaptive_draft_size!r}: must be true or false")
+        if self.draft_size is not None and self.draft_size not in DRAFT_SIZES:
+            raise ConfigError(f"draft_size={self.draft_size!r}: choose one of {DRAFT_SIZES}")
+        if self.adaptive_draft_size and self.draft_size not in (None, "learned"):
+            raise ConfigError(f"adaptive_draft_size=true (a learned draft size) and draft_size={self.draft_size!r} "
+                              "disagree: give draft_size alone")
+        if self.draft_size == "planned" and self.tree != "chain":
+            raise ConfigError(f"draft_size='planned' plans chains, and tree={self.tree!r} was asked: use "
+                              "tree='chain', or draft_size='fixed' or 'learned' for trees")
         if not 0.0 <= self.min_path_prob < 1.0:
             raise ConfigError(f"min_path_prob={self.min_path_prob}: must lie in [0, 1)")
         if self.prompt_lookup_max < 0 or self.prompt_lookup_max and not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
             raise ConfigError(f"prompt_lookup_min={self.prompt_lookup_min}, prompt_lookup_max={self.prompt_lookup_max}: "
                               "need 1 <= prompt_lookup_min <= prompt_lookup_max (or prompt_lookup_max=0 for off)")
+
+    def draft_size_rule(self, platform_default: str) -> str:
+        """"fixed", "learned" or "planned": what was asked, else the platform's default
+        (which never plans trees)."""
+        if self.adaptive_draft_size:
+            return "learned"
+        if self.draft_size is not None:
+            return self.draft_size
+        return "fixed" if platform_default == "planned" and self.tree != "chain" else platform_default
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any], *, source: str = "options") -> "SpecOptions":

@@ -27,9 +27,11 @@ class HeadsDrafter:
         self.num_heads = heads.num_heads
         self._embed = model.get_input_embeddings()
         self._lm_head = model.get_output_embeddings()
+        if heads.draft_vocab is not None:
+            self._lm_head = heads.lm_head_for(self._lm_head.weight.detach())
         self.temperatures = heads.temperatures
 
     @torch.no_grad()
     def head_logits(self, hidden: torch.Tensor, root_tokens: torch.Tensor) -> torch.Tensor:
         embeds = self._embed(root_tokens) if self.heads.config.token_conditioned else None
-        return self.heads(hidden, token_embeds=embeds, lm_head=self._lm_head)
+        return self.heads.target_vocab_logits(self.heads(hidden, token_embeds=embeds, lm_head=self._lm_head))

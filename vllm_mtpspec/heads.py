@@ -18,6 +18,10 @@ from the LM head as Medusa does).
 
 The last matrix of each head (W without a hidden layer, D with one) starts at zero, so an
 untrained head starts as the target's LM head on h.
+
+With a draft vocabulary (draft_vocab.py) tied heads project onto the LM head's rows of
+its N tokens only; their logits are over those N entries, in the order of
+`draft_token_ids`, until `target_vocab_logits` or the proposer maps them back.
 """
 from __future__ import annotations
 
@@ -28,6 +32,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from vllm_mtpspec.config import HeadsConfig
+from vllm_mtpspec.draft_vocab import SlicedLMHead, to_target_vocab
 from vllm_mtpspec.quant import Int2Linear, empty_int2_linear
 
 LMHead = Callable[[torch.Tensor], torch.Tensor]  # [n, d] -> [n, V]
@@ -62,6 +67,33 @@ class MTPHeads(nn.Module):
         if not config.tied:
             self.proj = nn.ModuleList(linear(d, vocab, bias=False) for _ in range(k))
         self.register_buffer("temperatures", torch.tensor(config.temperatures, dtype=torch.float32), persistent=False)
+        if config.draft_vocab_size:
+            self.register_buffer("draft_token_ids", torch.zeros(config.draft_vocab_size, dtype=torch.int64))
+
+    @property
+    def draft_vocab(self) -> torch.Tensor | None:
+        """The target ids of the draft vocabulary's entries (None: the whole vocabulary)."""
+        return getattr(self, "draft_token_ids", None)
+
+    def lm_head_for(self, lm_head_weight: torch.Tensor) -> LMHead:
+        """The projection tied heads use, from the target's [V, d] LM-head weight: all of
+        it, or the draft vocabulary's rows."""
+        if self.draft_vocab is None:
+            return lambda x: x @ lm_head_weight.T
+        return SlicedLMHead(lm_head_weight, self.draft_vocab)
+
+    def target_vocab_logits(self, logits: torch.Tensor) -> torch.Tensor:
+        """[..., k, N] logits over the heads' vocabulary -> [..., k, V] over the target's."""
+        return to_target_vocab(logits, self.draft_vocab, self.config.vocab_size)
+
+    def with_draft_vocab(self, draft_token_ids: torch.Tensor) -> "MTPHeads":
+        """A copy of these (tied) heads that drafts among draft_token_ids only."""
+        config = HeadsConfig.from_dict({**self.config.to_dict(), "draft_vocab_size": len(draft_token_ids)})
+        out = MTPHeads(config)
+        state = {k: v for k, v in self.state_dict().items() if k != "draft_token_ids"}
+        # assign: the copy keeps these heads' tensors and their dtypes (fp16 storage, INT2 codes).
+        out.load_state_dict({**state, "draft_token_ids": draft_token_ids.to(torch.int64)}, assign=True)
+        return out.train(self.training)
 
     def last_layers(self) -> list[nn.Module]:
         """The matrices whose output is each head's change to h: zero makes the head the
@@ -166,6 +198,8 @@ class MTPHeads(nn.Module):
         out.down = each(self.down)
         out.proj = each(self.proj)
         out.register_buffer("temperatures", self.temperatures.clone(), persistent=False)
+        if self.draft_vocab is not None:
+            out.register_buffer("draft_token_ids", self.draft_vocab.clone())
         return out
 
 

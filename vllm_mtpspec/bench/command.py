@@ -32,7 +32,9 @@ def add_parser(sub) -> None:
     p = sub.add_parser("bench", help="every speculation method through vLLM, side by side",
                        description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="smollm2-135m-instruct", help="a known model name or an HF folder")
-    p.add_argument("--heads", default=None, help="heads directory (default: the shipped heads)")
+    p.add_argument("--heads", default=None,
+                   help="heads directory, or several comma-separated (one row each, labelled by their draft "
+                        "vocabulary or name; default: the shipped heads)")
     p.add_argument("--prompts", default="humaneval,sharegpt-held-out", help="JSONL file(s) or named sources")
     p.add_argument("--num-prompts", type=int, default=16)
     p.add_argument("--methods", default="none,ngram,draft,mtpspec-chain,mtpspec-tree",
@@ -46,8 +48,9 @@ def add_parser(sub) -> None:
                    help="on (mtpspec's default), off or off,on: mtpspec methods also draft from the context where "
                         "it repeats (prompt_lookup_max=4), one row each")
     p.add_argument("--draft-size", default="fixed",
-                   help="fixed, adaptive or fixed,adaptive: mtpspec methods follow the fixed batch back-off, or "
-                        "learn how much to draft per batch size (adaptive_draft_size); one row each")
+                   help="fixed, adaptive, planned or a comma-separated mix: mtpspec methods follow the fixed batch "
+                        "back-off, learn how much to draft per batch size (draft_size=learned), or plan each "
+                        "request's drafts from measured step costs (draft_size=planned); one row each")
     p.add_argument("--batch-sizes", default="1,4,16,64")
     p.add_argument("--temperatures", default="0,0.7", help="0 is greedy")
     p.add_argument("--max-new-tokens", type=int, default=64)
@@ -75,7 +78,7 @@ def _ints(text: str) -> list[int]:
 
 
 def run(args) -> int:
-    from vllm_mtpspec.bench.methods import build_methods
+    from vllm_mtpspec.bench.methods import DRAFT_SIZES, build_methods, int2_copy_path
     from vllm_mtpspec.bench.prompts import load_bench_prompts
     from vllm_mtpspec.bench.report import heads_memory, markdown, plot, summarize
     from vllm_mtpspec.bench.runner import engine_settings, run_benchmark, save_json
@@ -83,17 +86,18 @@ def run(args) -> int:
     from vllm_mtpspec.models import cache_root, resolve_model
 
     model = str(resolve_model(args.model, dtype="fp32"))
-    heads = args.heads or str(shipped_heads_dir())
+    heads_dirs = [h for h in (args.heads or str(shipped_heads_dir())).split(",") if h]
+    heads = heads_dirs[0]  # whose memory is reported
     work_dir = Path(args.work_dir) if args.work_dir else cache_root() / "bench"
     prompts = load_bench_prompts(args.prompts, args.num_prompts)
     prompts = _cut_prompts(prompts, model, args.max_prompt_tokens)
     batch_sizes, temperatures = _ints(args.batch_sizes), [float(t) for t in args.temperatures.split(",")]
     methods = build_methods([m.strip() for m in args.methods.split(",") if m.strip()], model_dir=model,
-                            heads_dir=heads, num_heads=_ints(args.num_heads), quants=args.quant.split(","),
+                            heads_dirs=heads_dirs, num_heads=_ints(args.num_heads), quants=args.quant.split(","),
                             tree=args.tree, max_tree_nodes=args.max_tree_nodes, work_dir=work_dir,
                             num_spec_tokens=args.spec_tokens, draft_layers=args.draft_layers,
                             lookups=[x == "on" for x in _choices(args.prompt_lookup, ("off", "on"), "--prompt-lookup")],
-                            draft_sizes=_choices(args.draft_size, ("fixed", "adaptive"), "--draft-size"))
+                            draft_sizes=_choices(args.draft_size, DRAFT_SIZES, "--draft-size"))
     engine = engine_settings(max(batch_sizes), args.max_prompt_tokens, args.max_new_tokens, _kv_bytes_per_token(model))
     print(f"{len(prompts)} prompts ({', '.join(sorted({p.category for p in prompts}))}), methods: "
           f"{', '.join(m.name for m in methods)}; batch sizes {batch_sizes}; temperatures {temperatures}")
@@ -104,7 +108,7 @@ def run(args) -> int:
     rows = summarize(methods, tallies)
     from vllm_mtpspec.cli import shipped_int2_heads_dir
 
-    int2 = shipped_int2_heads_dir(heads) or work_dir / "heads-int2"
+    int2 = shipped_int2_heads_dir(heads) or int2_copy_path(heads, work_dir)
     memory = heads_memory(heads, model, str(int2) if (int2 / "heads.safetensors").is_file() else None)
     machine = f"{_cpu_name()}, {_cpu_count()} CPUs, vLLM {_vllm_version()}"
     header = (f"## mtpspec bench: {Path(model).name}, {len(prompts)} prompts ({args.prompts}), "

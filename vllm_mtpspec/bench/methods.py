@@ -1,12 +1,15 @@
 """The speculation methods a benchmark compares, as vLLM speculative configs.
 
 - none: no speculation.
+- none-again: a second engine without speculation; its speed-up over `none` is the
+  run-to-run noise of the machine, measured in the same run.
 - ngram: vLLM's prompt lookup (n-gram) proposer.
 - suffix: vLLM's suffix decoding (needs the arctic-inference package).
 - draft: vLLM's draft-model method with a truncated copy of the target (draft_model.py).
 - mtpspec-chain / mtpspec-tree: our heads, as top-1 chains or verified as trees; one
   variant per number of heads, per quantization, with or without prompt lookup, and with
-  the draft size from the fixed batch back-off (the default) or learned (adaptive).
+  the draft size from the fixed batch back-off (the default), learned (adaptive) or
+  planned per request from measured step costs (planned).
 """
 from __future__ import annotations
 
@@ -15,7 +18,9 @@ import itertools
 from dataclasses import dataclass, field
 from pathlib import Path
 
-KNOWN_METHODS = ("none", "ngram", "suffix", "draft", "mtpspec-chain", "mtpspec-tree")
+KNOWN_METHODS = ("none", "none-again", "ngram", "suffix", "draft", "mtpspec-chain", "mtpspec-tree")
+DRAFT_SIZES = ("fixed", "adaptive", "planned")
+DRAFT_SIZE_OPTION = {"fixed": "fixed", "adaptive": "learned", "planned": "planned"}  # -> SpecOptions.draft_size
 PROMPT_LOOKUP_MAX = 4  # as the ngram row's prompt_lookup_max, so the two draft from the same matches
 
 
@@ -28,7 +33,7 @@ class Method:
     notes: dict = field(default_factory=dict)
 
 
-def build_methods(names: list[str], *, model_dir: str, heads_dir: str, num_heads: list[int], quants: list[str],
+def build_methods(names: list[str], *, model_dir: str, heads_dirs: list[str], num_heads: list[int], quants: list[str],
                   tree: str, work_dir: Path, max_tree_nodes: int = 8, num_spec_tokens: int = 3,
                   draft_layers: int = 6, lookups: list[bool] = (True,),
                   draft_sizes: list[str] = ("fixed",)) -> list[Method]:
@@ -39,6 +44,10 @@ def build_methods(names: list[str], *, model_dir: str, heads_dir: str, num_heads
     for name in names:
         if name == "none":
             methods.append(Method("none", name, None))
+        elif name == "none-again":
+            methods.append(Method("none (again)", name, None,
+                                  notes={"noise": "none (again): a second engine without speculation; its speed-up "
+                                                  "over none is this run's noise"}))
         elif name == "ngram":
             methods.append(Method("ngram", name, {"method": "ngram", "num_speculative_tokens": num_spec_tokens,
                                                   "prompt_lookup_max": PROMPT_LOOKUP_MAX, "prompt_lookup_min": 2}))
@@ -56,8 +65,9 @@ def build_methods(names: list[str], *, model_dir: str, heads_dir: str, num_heads
                                   notes={"draft_model": f"the target's first {draft_layers} layers + LM head"}))
         else:
             method_tree = "chain" if name == "mtpspec-chain" else tree
-            for quant in quants:
+            for heads_dir, quant in itertools.product(heads_dirs, quants):
                 heads = heads_dir if quant == "fp" else str(_int2_heads(heads_dir, work_dir))
+                heads_tag = _heads_tag(heads_dir, several=len(heads_dirs) > 1)
                 for k in num_heads:
                     for lookup, draft_size in itertools.product(lookups, draft_sizes):
                         config = {"method": "mtpspec", "model": heads, "num_speculative_tokens": k,
@@ -70,11 +80,25 @@ def build_methods(names: list[str], *, model_dir: str, heads_dir: str, num_heads
                         config["prompt_lookup_max"] = PROMPT_LOOKUP_MAX if lookup else 0
                         if lookup:
                             label += " +lookup"
-                        if draft_size == "adaptive":
-                            config["adaptive_draft_size"] = True  # learned, not the fixed back-off
-                            label += " adaptive-size"
-                        methods.append(Method(label + ("" if quant == "fp" else " int2"), name, config))
+                        config["draft_size"] = DRAFT_SIZE_OPTION[draft_size]
+                        if draft_size != "fixed":
+                            label += f" {draft_size}-size"
+                        methods.append(Method(label + heads_tag + ("" if quant == "fp" else " int2"), name, config))
     return methods
+
+
+def _heads_tag(heads_dir: str, *, several: bool) -> str:
+    """What tells rows of different heads apart: their draft vocabulary, else (when
+    several heads are compared) the directory's name."""
+    from vllm_mtpspec.checkpoint import HeadsError, read_heads_config
+
+    try:
+        draft_vocab = read_heads_config(heads_dir).draft_vocab_size
+    except HeadsError:
+        draft_vocab = 0
+    if draft_vocab:
+        return f" vocab={draft_vocab}"
+    return f" [{Path(heads_dir).name}]" if several else ""
 
 
 def _int2_heads(heads_dir: str, work_dir: Path) -> Path:
@@ -86,7 +110,15 @@ def _int2_heads(heads_dir: str, work_dir: Path) -> Path:
     shipped = shipped_int2_heads_dir(heads_dir)
     if shipped is not None:
         return shipped
-    out = work_dir / "heads-int2"
+    out = int2_copy_path(heads_dir, work_dir)
     if not (out / "config.json").is_file():
         save_heads(load_heads(heads_dir).quantized(group_size=64), out)
     return out
+
+
+def int2_copy_path(heads_dir: str, work_dir: Path) -> Path:
+    """Where the bench keeps its round-to-nearest copy of these heads (one per directory)."""
+    import hashlib
+
+    resolved = Path(heads_dir).resolve()
+    return work_dir / f"heads-int2-{resolved.name}-{hashlib.sha1(str(resolved).encode()).hexdigest()[:8]}"

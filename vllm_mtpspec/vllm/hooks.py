@@ -181,6 +181,7 @@ def install_hidden_state_hook() -> None:
                 # Asked per drafted request only: at large batches nothing is drafted.
                 tree_blocker=lambda i: _tree_blocker_for(self, req_ids[i]),
                 decode_only=_decode_only(bound.arguments.get("scheduler_output")),
+                sampled=lambda i: _is_sampled(self, req_ids[i]),
             )
         return original(self, *args, **kwargs)
 

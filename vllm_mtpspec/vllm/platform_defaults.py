@@ -19,6 +19,11 @@ def default_backoff_start() -> int:
     return 4 if current_platform.is_cpu() else 16
 
 
+def default_draft_size() -> str:
+    """The draft-size rule (SpecOptions.draft_size) where none is asked for."""
+    return "fixed"
+
+
 def sampled_chains_verifier() -> str:
     """Who verifies the drafted chains of sampled requests: "vllm" (its rejection sampler)
     or "mtpspec" (tree_sampler.py).

@@ -15,13 +15,16 @@ Drafts are the heads' candidates:
 - prompt lookup (lookup.py, when prompt_lookup_max is set): where the context's last
   tokens occurred before, what followed them is the request's draft, as a chain, and
   the heads are not run for it.
-How much to draft (chain depth, tree size) shrinks for large batches, where verifying
-extra tokens stops being free (sooner on CPUs): by a fixed rule, or, with
-`adaptive_draft_size`, by the draft-size controller (adaptive.py), which starts from that
-rule and moves to the size with the most measured tokens per second.
+How much to draft (`draft_size`) follows one of three rules. "fixed": chain depth and
+tree size shrink for large batches, where verifying extra tokens stops being free (sooner
+on CPUs). "learned": the draft-size controller (adaptive.py) starts from that rule and
+moves to the size with the most measured tokens per second. "planned": the draft planner
+(draft_planner.py) gives each request the drafts whose expected accepted tokens are worth
+the verify time they add, by step costs it measures while serving.
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import time
@@ -32,10 +35,12 @@ import torch
 
 from vllm_mtpspec.adaptive import DraftSizeController
 from vllm_mtpspec.checkpoint import load_heads
+from vllm_mtpspec.draft_planner import Candidate, DraftPlanner
 from vllm_mtpspec.lookup import lookup_draft
 from vllm_mtpspec.tree import DraftTreeBuilder, TreeShape, chain_tree
 from vllm_mtpspec.vllm.fallback import log_fallback_once
-from vllm_mtpspec.vllm.platform_defaults import default_backoff_start, platform_blocker, sampled_chains_verifier
+from vllm_mtpspec.vllm.platform_defaults import (default_backoff_start, default_draft_size, platform_blocker,
+                                                  sampled_chains_verifier)
 from vllm_mtpspec.vllm.options import check_against_model, options_from_additional_config
 from vllm_mtpspec.vllm.parallel import RankZeroDecision, tensor_parallel_group
 from vllm_mtpspec.vllm.rows import last_sampled_rows
@@ -65,6 +70,7 @@ class MTPSpecProposer:
             vocab_size=hf_config.vocab_size,
         )
         self.depth = wanted or self.heads_config.num_heads
+        self.model_path = model_config.model
         self.dtype = model_config.dtype
         self.device = torch.device(vllm_config.device_config.device)
         self.heads = None  # loaded with the target, in load_model
@@ -86,6 +92,7 @@ class MTPSpecProposer:
         self._req_ids: list[str] | None = None
         self._tree_rows: dict[int, int] = {}
         self._tree_blocker: Callable[[int], str | None] | None = None
+        self._is_sampled: Callable[[int], bool] | None = None
         self._step_was_decode_only = False
         # The largest tree a step may send: the user's node budget within vLLM's.
         self.max_tree_budget = min(self.options.max_tree_nodes, self.max_drafts)
@@ -94,8 +101,10 @@ class MTPSpecProposer:
         self._tree_budgets = self._budget_ladder() if self.uses_trees else []
         # A chain of j tokens is the start of a longer one (lookup drafts too): nested levels.
         # Each batch size starts where the fixed back-off would draft.
+        self.draft_size_rule = self.options.draft_size_rule(default_draft_size())
         self.draft_sizes = None
-        if self.options.adaptive_draft_size:
+        self.planner = DraftPlanner(self.depth) if self.draft_size_rule == "planned" else None
+        if self.draft_size_rule == "learned":
             if self.uses_trees:
                 self.draft_sizes = DraftSizeController(
                     len(self._tree_budgets),
@@ -115,6 +124,15 @@ class MTPSpecProposer:
         # Through the target's modules, never its weights: on the CPU they are repacked.
         self._lm_head = target_model.compute_logits
         self._embed = getattr(target_model, "embed_input_ids", None) or target_model.get_input_embeddings
+        self._draft_ids = None
+        if self.heads.draft_vocab is not None:
+            # The draft vocabulary's rows of the LM head, read from the model's files (the
+            # loaded weights may be repacked); every tensor-parallel rank holds all N rows.
+            from vllm_mtpspec.weights import embedding_and_lm_head
+
+            lm_head_weight = embedding_and_lm_head(self.model_path)[1].to(self.device, self.dtype)
+            self._lm_head = self.heads.lm_head_for(lm_head_weight)
+            self._draft_ids = self.heads.draft_vocab.to(self.device)
         options = self.options
         builder = dict(min_path_prob=options.min_path_prob, dynamic_top_k=options.dynamic_top_k,
                        rank_accuracy=options.head_rank_accuracy or self.heads.config.rank_accuracy)
@@ -122,9 +140,10 @@ class MTPSpecProposer:
         if self.uses_trees:
             self._tree_builder = DraftTreeBuilder(options.tree, self.depth,
                                                   max_nodes=self.max_tree_budget, **builder)
-        logger.info("mtpspec: loaded %s heads (%s, %s) from %s; drafting %s of depth %d",
+        logger.info("mtpspec: loaded %s heads (%s, %s, drafting among %s tokens) from %s; drafting %s of depth %d",
                     self.heads.num_heads, "tied" if self.heads.config.tied else "untied",
-                    "int2" if self.heads.is_quantized else str(self.dtype), self.options.heads,
+                    "int2" if self.heads.is_quantized else str(self.dtype),
+                    self.heads.config.draft_vocab_size or f"all {self.heads.config.vocab_size}", self.options.heads,
                     self.options.tree if self.uses_trees else "chains", self.depth)
 
     @property
@@ -134,10 +153,10 @@ class MTPSpecProposer:
 
     def capture_step(self, sample_hidden_states: torch.Tensor, spec_decode_metadata, req_ids=None,
                      tree_rows: dict[int, int] | None = None, tree_blocker: Callable[[int], str | None] | None = None,
-                     decode_only: bool = False) -> None:
+                     decode_only: bool = False, sampled: Callable[[int], bool] | None = None) -> None:
         """tree_rows: for requests verified as trees, the row (within the request) of the
         last accepted node. tree_blocker: by batch index, why a request must get a chain
-        (or None).
+        (or None). sampled: by batch index, whether a request samples (temperature > 0).
         decode_only: the step prefilled no prompt (so its time says what drafting cost)."""
         self._step_was_decode_only = decode_only
         self._sample_hidden_states = sample_hidden_states
@@ -145,6 +164,7 @@ class MTPSpecProposer:
         self._req_ids = req_ids
         self._tree_rows = tree_rows or {}
         self._tree_blocker = tree_blocker
+        self._is_sampled = sampled
 
     def _doublings_past_backoff(self, num_requests: int) -> int:
         start = self.batch_backoff_start
@@ -161,6 +181,8 @@ class MTPSpecProposer:
     def _draft_size(self, sampled_token_ids, req_ids, live: set[str] | None) -> tuple[int, int]:
         """(chain depth, tree node budget) for this step; live: the set of req_ids."""
         num_requests = len(sampled_token_ids)
+        if self.planner is not None:  # the planner cuts each request's chain itself
+            return self.depth, 0
         if self.draft_sizes is None:
             return self.depth_for_batch(num_requests), self.tree_budget_for_batch(num_requests)
         drafted = self._drafted_batch
@@ -195,6 +217,18 @@ class MTPSpecProposer:
 
     @torch.inference_mode()
     def propose(self, sampled_token_ids, num_tokens_no_spec=None, token_ids_cpu=None, slot_mappings=None, **_) -> list[list[int]]:
+        if self.planner is None:
+            return self._propose(sampled_token_ids, num_tokens_no_spec, token_ids_cpu)
+        sampled = [self._request_samples(i) for i in range(len(sampled_token_ids))]
+        self.planner.observe_step(self._batch_ids(len(sampled_token_ids)), [len(t) for t in sampled_token_ids],
+                                  self._num_draft_tokens, sampled, timed=self._step_was_decode_only)
+        try:
+            return self._propose(sampled_token_ids, num_tokens_no_spec, token_ids_cpu, sampled)
+        finally:
+            self.planner.verify_started()
+
+    def _propose(self, sampled_token_ids, num_tokens_no_spec, token_ids_cpu,
+                 sampled: list[bool] | None = None) -> list[list[int]]:
         hidden_all = self._sample_hidden_states
         self._sample_hidden_states = None
         drafts: list[list[int]] = [[] for _ in sampled_token_ids]
@@ -211,28 +245,55 @@ class MTPSpecProposer:
         owners = [i for i, _ in pairs]
         # Where the context repeats, its continuation is the draft and the heads are not
         # run at all (no LM-head projection for that request).
-        looked_up = self._lookup_drafts(owners, depth, num_tokens_no_spec, token_ids_cpu)
-        for j, tokens in looked_up.items():
-            self._send_chain(owners[j], chain_tree(len(tokens)), tokens, drafts, req_ids)
-        head_owners = [j for j in range(len(owners)) if j not in looked_up]
-        if not head_owners:
-            return drafts
-        probs = self._head_probs(hidden_all, [pairs[j] for j in head_owners], sampled_token_ids, depth)
-        tree_rows = [n for n, j in enumerate(head_owners) if self._tree_allowed(owners[j], req_ids)]
-        on_tree = set(tree_rows)
-        chain_rows = [n for n in range(len(head_owners)) if n not in on_tree]
-        for n, (shape, tokens) in zip(chain_rows, self._chain_builder.build(probs[chain_rows]) if chain_rows else []):
-            self._send_chain(owners[head_owners[n]], shape, tokens, drafts, req_ids)
-        trees = self._tree_builder.build(probs[tree_rows], budget=budget) if tree_rows else []
-        for n, (shape, tokens) in zip(tree_rows, trees):
-            i = owners[head_owners[n]]
-            drafts[i] = tokens
-            self.proposed_trees[req_ids[i]] = ProposedTree(shape, tuple(tokens))
+        chains = {j: Candidate("lookup", False, len(tokens), tokens=tuple(tokens))
+                  for j, tokens in self._lookup_drafts(owners, depth, num_tokens_no_spec, token_ids_cpu).items()}
+        head_owners = [j for j in range(len(owners)) if j not in chains]
+        if head_owners and self.planner is not None and not self._rank_zero(
+                lambda: self.planner.wants_heads(len(sampled_token_ids), any(sampled))):
+            head_owners = []
+        drafting_started = time.perf_counter()
+        if head_owners:
+            probs = self._head_probs(hidden_all, [pairs[j] for j in head_owners], sampled_token_ids, depth)
+            tree_rows = [n for n, j in enumerate(head_owners) if self._tree_allowed(owners[j], req_ids)]
+            on_tree = set(tree_rows)
+            chain_rows = [n for n in range(len(head_owners)) if n not in on_tree]
+            chains_built = self._chain_builder.chains(probs[chain_rows], token_ids=self._draft_ids) if chain_rows else []
+            for n, (tokens, path) in zip(chain_rows, chains_built):
+                chains[head_owners[n]] = Candidate("heads", False, len(tokens), tuple(path), tuple(tokens))
+            trees = self._tree_builder.build(probs[tree_rows], budget=budget, token_ids=self._draft_ids) if tree_rows else []
+            for n, (shape, tokens) in zip(tree_rows, trees):
+                i = owners[head_owners[n]]
+                drafts[i] = tokens
+                self.proposed_trees[req_ids[i]] = ProposedTree(shape, tuple(tokens))
+        if self.planner is not None:
+            chains = self._planned(chains, owners, sampled, time.perf_counter() - drafting_started if head_owners else 0.0)
+        for j, chain in chains.items():
+            self._send_chain(owners[j], chain_tree(chain.length), list(chain.tokens[:chain.length]), drafts, req_ids)
         return drafts
+
+    def _planned(self, chains: dict[int, Candidate], owners: list[int], sampled: list[bool],
+                 drafting_seconds: float) -> dict[int, Candidate]:
+        """The chains cut to the planner's lengths (decided on rank 0 for every rank)."""
+        offered: list[Candidate | None] = [None] * len(sampled)
+        for j, chain in chains.items():
+            offered[owners[j]] = dataclasses.replace(chain, sampled=sampled[owners[j]])
+        lengths = self._rank_zero(lambda: self.planner.plan(self._batch_ids(len(sampled)), offered,
+                                                            sampled=any(sampled), drafting_seconds=drafting_seconds))
+        if self._rank_zero.decides_here and time.monotonic() - self._last_size_log >= 60:
+            self._last_size_log = time.monotonic()
+            logger.info("mtpspec: draft planner: %s", self.planner.describe())
+        return {j: dataclasses.replace(chain, length=lengths[owners[j]]) for j, chain in chains.items()}
+
+    def _batch_ids(self, num_requests: int) -> list[str]:
+        return list(self._req_ids) if self._req_ids is not None else [str(i) for i in range(num_requests)]
+
+    def _request_samples(self, batch_index: int) -> bool:
+        return self._is_sampled is not None and bool(self._is_sampled(batch_index))
 
     def _head_probs(self, hidden_all: torch.Tensor, pairs: list[tuple[int, int]], sampled_token_ids,
                     depth: int) -> torch.Tensor:
-        """(request, row) pairs -> the heads' temperature-scaled probabilities [B, depth, V]."""
+        """(request, row) pairs -> the heads' temperature-scaled probabilities [B, depth, V]
+        (V: the draft vocabulary's N entries where the heads have one)."""
         hidden = hidden_all[torch.tensor([row for _, row in pairs], device=hidden_all.device)]
         token_ids = torch.tensor([sampled_token_ids[i][-1] for i, _ in pairs], device=hidden.device)
         embeds = self._embed(token_ids) if self.heads.config.token_conditioned else None

@@ -1,0 +1,250 @@
+"""The draft planner and the step-cost curve on synthetic machines: the cost of a step and
+the chance of each draft being kept are known to the test, the planner sees only clocks,
+path probabilities and emitted tokens."""
+import itertools
+import random
+
+import pytest
+
+from vllm_mtpspec.draft_planner import (Candidate, DraftPlanner, KeepCalibration, LookupKeepRates, plan_drafts)
+from vllm_mtpspec.step_cost import StepCostCurve, StepCosts, non_decreasing
+
+
+def brute_force_rate(keep_probs, step_seconds, drafting_seconds=0.0):
+    """The best expected tokens per second over every allocation of draft lengths."""
+    batch = len(keep_probs)
+    best = 0.0
+    for lengths in itertools.product(*(range(len(p) + 1) for p in keep_probs)):
+        tokens = batch + sum(sum(p[:n]) for p, n in zip(keep_probs, lengths))
+        d = sum(lengths)
+        best = max(best, tokens / (step_seconds(batch + d) + (drafting_seconds if d else 0.0)))
+    return best
+
+
+def random_keep_probs(rng, batch, depth):
+    out = []
+    for _ in range(batch):
+        reach, probs = 1.0, []
+        for _ in range(rng.randint(0, depth)):
+            reach *= rng.random()
+            probs.append(reach)
+        out.append(probs)
+    return out
+
+
+def random_cost_curve(rng):
+    """A non-decreasing step cost with flat stretches and jumps, like a CPU's."""
+    steps = [rng.choice([0.0, 0.0, rng.uniform(0, 0.5), rng.uniform(0.5, 2.0)]) for _ in range(20)]
+    base = rng.uniform(0.5, 2.0)
+    return lambda q: base + sum(steps[:q])
+
+
+def test_the_plan_is_the_best_of_every_allocation_on_small_cases():
+    rng = random.Random(0)
+    for _ in range(300):
+        keep = random_keep_probs(rng, rng.randint(1, 3), 3)
+        cost = random_cost_curve(rng)
+        drafting = rng.choice([0.0, rng.uniform(0, 0.5)])
+        plan = plan_drafts(keep, cost, drafting_seconds=drafting)
+        assert plan.tokens_per_second == pytest.approx(brute_force_rate(keep, cost, drafting), rel=1e-12)
+        # And what it reports is what its lengths give.
+        d = sum(plan.lengths)
+        assert plan.expected_tokens == pytest.approx(len(keep) + sum(sum(p[:n]) for p, n in zip(keep, plan.lengths)))
+        assert plan.seconds == pytest.approx(cost(len(keep) + d) + (drafting if d else 0.0))
+        assert all(n <= len(p) for n, p in zip(plan.lengths, keep))
+
+
+def test_verification_as_dear_as_decoding_drafts_nothing_and_free_verification_drafts_everything():
+    keep = [[0.9, 0.8, 0.7], [0.5, 0.2, 0.1], [0.99, 0.98, 0.97]]
+    as_dear_as_decoding = plan_drafts(keep, lambda q: 0.01 * q)
+    assert as_dear_as_decoding.lengths == [0, 0, 0]
+    free = plan_drafts(keep, lambda q: 0.05)
+    assert free.lengths == [3, 3, 3]
+    # Free verification, but drafting itself costs more than the drafts bring: none.
+    assert plan_drafts(keep, lambda q: 0.05, drafting_seconds=1.0).lengths == [0, 0, 0]
+
+
+def test_in_between_the_surest_drafts_go_first():
+    keep = [[0.9, 0.8, 0.7], [0.3, 0.1, 0.05]]
+    # Each extra query token costs 20% of a step without drafts: the first request's
+    # drafts (0.9, 0.8, 0.7 kept) pay, the second's (0.3 first) do not.
+    assert plan_drafts(keep, lambda q: 1.0 + 0.2 * (q - 2)).lengths == [3, 0]
+    # At 40% only the surest draft pays: 2.9 tokens in 1.4 against 2 in 1 and 3.7 in 1.8.
+    assert plan_drafts(keep, lambda q: 1.0 + 0.4 * (q - 2)).lengths == [1, 0]
+    # The path probability never grows with depth: a larger later number is read as capped.
+    assert plan_drafts([[0.2, 0.9]], lambda q: 1.0 + 0.5 * (q - 1)).lengths == [0]
+
+
+def test_a_total_asked_for_takes_the_surest_drafts():
+    keep = [[0.9, 0.8], [0.6, 0.1]]
+    assert plan_drafts(keep, lambda q: 1.0, total=3).lengths == [2, 1]
+    assert plan_drafts(keep, lambda q: 1.0, total=9).lengths == [2, 2]
+    assert plan_drafts(keep, lambda q: 1.0, total=-1).lengths == [0, 0]
+
+
+def test_the_cost_curve_fits_a_non_decreasing_line_through_its_measurements():
+    assert non_decreasing([1.0, 3.0, 2.0, 4.0], [1, 1, 1, 1]) == [1.0, 2.5, 2.5, 4.0]
+    assert non_decreasing([2.0, 1.0], [3, 1]) == [1.75, 1.75]
+    curve = StepCostCurve()
+    assert curve.seconds(4) is None and not curve.measured
+    for q, s in ((4, 1.0), (8, 2.0), (16, 2.0)):
+        curve.add(q, s)
+    assert curve.seconds(6) == pytest.approx(1.5)
+    assert curve.seconds(12) == pytest.approx(2.0)
+    assert curve.seconds(64) == pytest.approx(2.0)   # above: flat until measured
+    assert curve.seconds(2) == pytest.approx(0.5)    # below: in proportion
+    # A stall (5x the usual) is dropped, a slower but plausible step is kept.
+    assert not curve.add(8, 11.0) and curve.seconds(8) == pytest.approx(2.0)
+    assert curve.add(8, 3.0) and curve.seconds(8) > 2.0
+
+
+def test_batch_sizes_and_sampled_batches_are_measured_apart():
+    costs = StepCosts()
+    costs.curve(4, False).add(8, 1.0)
+    assert costs.curve(5, False).seconds(8) == 1.0      # same power-of-two bucket
+    assert costs.curve(8, False).seconds(8) is None
+    assert costs.curve(4, True).seconds(8) is None
+
+
+def test_keep_calibration_learns_what_the_target_keeps():
+    calibration = KeepCalibration()
+    assert calibration.keep_probability(0.75) == pytest.approx(0.75)  # nothing seen: the heads' word
+    rng = random.Random(1)
+    for _ in range(2000):  # drafts predicted at 0.7-0.8 are kept half the time
+        calibration.observe(rng.uniform(0.7, 0.8), rng.random() < 0.5)
+    assert calibration.keep_probability(0.75) == pytest.approx(0.5, abs=0.05)
+    assert calibration.keep_probability(0.25) == pytest.approx(0.25)  # other bins untouched
+
+
+def test_lookup_keep_rates_are_measured_depth_by_depth():
+    rates = LookupKeepRates(3, prior=0.5)
+    assert rates.keep_probs(3) == pytest.approx([0.5, 0.25, 0.125])
+    for _ in range(3000):
+        rates.observe(3, 1)   # always: depth 1 kept, depth 2 rejected, depth 3 never verified
+    first, second, third = rates.keep_probs(3)
+    assert first == pytest.approx(1.0, abs=0.02) and second == pytest.approx(0.0, abs=0.02)
+    assert rates.keep_probs(9) == rates.keep_probs(3)  # no deeper than measured
+
+
+class Machine:
+    """A simulated engine: step cost by query tokens, heads whose path probability is
+    right, and requests that keep each draft with that probability."""
+
+    def __init__(self, step_seconds, *, batch_size, depth=3, seed=0, accept=(0.7, 0.6, 0.5), noise=0.03):
+        self.step_seconds = step_seconds
+        self.batch_size = batch_size
+        self.depth = depth
+        self.rng = random.Random(seed)
+        self.accept = accept
+        self.noise = noise
+        self.now = 0.0
+
+    def candidates(self):
+        out = []
+        for _ in range(self.batch_size):
+            reach, probs = 1.0, []
+            for m in range(self.depth):
+                reach *= min(max(self.accept[m] + self.rng.uniform(-0.2, 0.2), 0.0), 1.0)
+                probs.append(reach)
+            out.append(Candidate("heads", False, self.depth, tuple(probs)))
+        return out
+
+    def run(self, planner, steps):
+        req_ids = [f"r{i}" for i in range(self.batch_size)]
+        emitted, verified = [1] * self.batch_size, None
+        tokens = seconds = 0.0
+        heads_runs = 0
+        for step in range(steps):
+            planner.observe_step(req_ids, emitted, verified, [False] * self.batch_size, timed=True)
+            if planner.wants_heads(self.batch_size, False):
+                heads_runs += 1
+                candidates = self.candidates()
+            else:
+                candidates = [None] * self.batch_size
+            lengths = planner.plan(req_ids, candidates, sampled=False)
+            planner.verify_started()
+            elapsed = self.step_seconds(self.batch_size + sum(lengths)) * (1 + self.rng.uniform(-self.noise, self.noise))
+            self.now += elapsed
+            emitted = []
+            for c, n in zip(candidates, lengths):
+                kept = 0
+                while kept < n and self.rng.random() < c.path_probs[kept] / (c.path_probs[kept - 1] if kept else 1.0):
+                    kept += 1
+                emitted.append(1 + kept)
+            verified = lengths
+            if step >= steps // 2:
+                tokens += sum(emitted)
+                seconds += elapsed
+        return tokens / seconds, heads_runs
+
+
+def best_fixed_rate(step_seconds, batch_size, accept=(0.7, 0.6, 0.5)):
+    best, reach, kept = batch_size / step_seconds(batch_size), 1.0, 0.0
+    for d, p in enumerate(accept, 1):
+        reach *= p
+        kept += reach
+        best = max(best, batch_size * (1 + kept) / step_seconds(batch_size * (1 + d)))
+    return best
+
+
+@pytest.mark.parametrize("name,step_seconds,batch_size", [
+    ("free verification", lambda q: 0.05, 4),
+    ("a CPU at batch 1", lambda q: 0.05 + 0.01 * (q - 1), 1),
+    ("a GPU-like knee", lambda q: 0.02 + 0.002 * max(q - 16, 0), 8),
+    ("a CPU: every token costs", lambda q: 0.01 + 0.004 * q, 16),
+    ("compute bound", lambda q: 0.01 * q, 32),
+])
+def test_the_planner_reaches_the_best_fixed_plans_speed_on_a_simulated_machine(name, step_seconds, batch_size):
+    machine = Machine(step_seconds, batch_size=batch_size)
+    planner = DraftPlanner(3, clock=lambda: machine.now)
+    rate, _ = machine.run(planner, 600)
+    # Per-request plans can beat any one size for all: at least 95% of the best fixed one.
+    assert rate >= 0.95 * best_fixed_rate(step_seconds, batch_size), name
+
+
+def test_where_drafts_never_pay_the_heads_rest_except_to_check_again():
+    machine = Machine(lambda q: 0.01 * q, batch_size=8)
+    planner = DraftPlanner(3, clock=lambda: machine.now, explore_every=32)
+    _, heads_runs = machine.run(planner, 640)
+    assert heads_runs <= planner.warmup_steps + planner.rest_after + 640 // 32 + 1
+
+
+def test_what_was_kept_calibrates_the_heads_and_lookup_separately_by_kind():
+    planner = DraftPlanner(3, clock=lambda: 0.0)
+    heads = Candidate("heads", False, 3, (0.95, 0.75, 0.6))
+    lookup = Candidate("lookup", True, 2)
+    for _ in range(200):
+        planner.observe_step(["a", "b"], [2, 1], [3, 2], [False, True], timed=False)
+        lengths = planner.plan(["a", "b"], [heads, lookup], sampled=True)
+        assert lengths == [3, 2]  # no step timed: the cost looks flat, everything is sent
+    # Greedy heads drafts at 0.95 were kept, at 0.75 rejected, so the one at 0.6 was not
+    # kept either; sampled ones unseen.
+    assert planner.heads_keep[False].keep_probability(0.95) > 0.9
+    assert planner.heads_keep[False].keep_probability(0.75) < 0.1
+    assert planner.heads_keep[False].keep_probability(0.6) < 0.1
+    assert planner.heads_keep[True].keep_probability(0.75) == pytest.approx(0.75)
+    # Sampled lookup drafts were never kept; greedy lookup rates still the prior.
+    assert planner.lookup_keep[True].keep_probs(1)[0] < 0.05
+    assert planner.lookup_keep[False].keep_probs(1)[0] == pytest.approx(0.6)
+
+
+def test_a_timed_step_lands_in_its_batchs_curve_by_its_query_tokens():
+    now = [0.0]
+    planner = DraftPlanner(3, clock=lambda: now[0])
+    planner.plan(["a", "b"], [Candidate("lookup", False, 3), None], sampled=True)
+    planner.verify_started()
+    now[0] += 0.25
+    planner.observe_step(["a", "b"], [1, 1], [3, 0], [False, True], timed=True)
+    assert planner.costs.curve(2, True).samples(5) == 1 and planner.costs.curve(2, True).seconds(5) == 0.25
+    # A step that also prefilled a prompt is not a verify step's time.
+    planner.verify_started()
+    now[0] += 9.0
+    planner.observe_step(["a", "b"], [1, 1], [0, 0], [False, True], timed=False)
+    assert planner.costs.curve(2, True).samples(2) == 0
+
+
+def test_drafts_that_vllm_cut_count_only_as_far_as_they_were_verified():
+    planner = DraftPlanner(3, clock=lambda: 0.0)
+    planner.plan(["a"], [Candidate("lookup", False, 3)], sampled=False)
+    planner.observe_step(["a"], [1], [0], [False], timed=False)  # vLLM verified none of the 3
+    assert planner.lookup_keep[False].keep_probs(1)[0] == pytest.approx(0.6)

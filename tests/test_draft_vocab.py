@@ -1,0 +1,132 @@
+"""Heads with a draft vocabulary: the N most frequent tokens, an id map stored with the
+heads, guesses mapped back to the target's ids, output unchanged."""
+import json
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from vllm_mtpspec.checkpoint import HeadsError, load_heads, save_heads
+from vllm_mtpspec.config import ConfigError, HeadsConfig, SpecOptions
+from vllm_mtpspec.draft_vocab import coverage, most_frequent_tokens, to_target_vocab
+from vllm_mtpspec.drafter import HeadsDrafter
+from vllm_mtpspec.heads_init import init_heads
+from vllm_mtpspec.reference import ReferenceDecoder, plain_greedy
+
+
+@pytest.fixture(scope="module")
+def heads(tiny_model, tiny_model_dir):
+    return init_heads(tiny_model, tiny_model_dir, num_heads=3, init_std=0.3, seed=4)
+
+
+def test_the_most_frequent_tokens_come_first_and_ties_go_to_the_smaller_id():
+    arrays = [np.array([5, 5, 7, 2]), np.array([7, 9, 5, 2])]
+    assert most_frequent_tokens(arrays, vocab_size=10, size=4).tolist() == [5, 2, 7, 9]
+    assert coverage(arrays, torch.tensor([5, 7]), vocab_size=10) == pytest.approx(5 / 8)
+    with pytest.raises(ValueError, match="must lie in 1..10"):
+        most_frequent_tokens(arrays, vocab_size=10, size=11)
+
+
+def test_draft_logits_are_the_full_logits_of_the_kept_tokens(heads, tiny_model):
+    ids = torch.randperm(256, generator=torch.Generator().manual_seed(0))[:64]
+    small = heads.with_draft_vocab(ids)
+    assert small.config.draft_vocab_size == 64 and torch.equal(small.draft_vocab, ids)
+    h = torch.randn(5, 64)
+    weight = tiny_model.get_output_embeddings().weight.detach()
+    full = heads(h, lm_head=heads.lm_head_for(weight))
+    draft = small(h, lm_head=small.lm_head_for(weight))
+    assert draft.shape == (5, 3, 64)
+    torch.testing.assert_close(draft, full[..., ids])
+    mapped = small.target_vocab_logits(draft)
+    assert mapped.shape == full.shape
+    torch.testing.assert_close(mapped[..., ids], full[..., ids])
+    outside = torch.ones(256, dtype=torch.bool)
+    outside[ids] = False
+    assert torch.isinf(mapped[..., outside]).all()
+    assert to_target_vocab(draft, None, 256) is draft
+
+
+def test_the_id_map_travels_with_the_heads_through_save_int2_and_fp16(heads, tmp_path):
+    ids = torch.arange(100, 228)
+    out = save_heads(heads.with_draft_vocab(ids), tmp_path / "dv")
+    loaded = load_heads(out, dtype=torch.float16)
+    assert torch.equal(loaded.draft_vocab, ids) and loaded.draft_vocab.dtype == torch.int64
+    int2 = load_heads(save_heads(loaded.float().quantized(group_size=32), tmp_path / "dv-int2"))
+    assert torch.equal(int2.draft_vocab, ids) and int2.config.draft_vocab_size == 128
+
+
+def test_a_damaged_id_map_is_refused_naming_the_file_and_the_field(heads, tmp_path):
+    out = save_heads(heads.with_draft_vocab(torch.arange(32)), tmp_path / "dv")
+    weights = out / "heads.safetensors"
+    state = load_file(str(weights))
+    for bad, reason in ((torch.tensor([3] * 32), "holds an id more than once"),
+                        (torch.arange(240, 272), "holds ids outside the target's vocabulary 0..255")):
+        save_file({**state, "draft_token_ids": bad}, str(weights))
+        with pytest.raises(HeadsError, match=f"heads.safetensors: the draft vocabulary's id map draft_token_ids {reason}"):
+            load_heads(out)
+    # config.json says 64 entries, the id map holds 32.
+    save_file(state, str(weights))
+    config = json.loads((out / "config.json").read_text())
+    (out / "config.json").write_text(json.dumps({**config, "draft_vocab_size": 64}))
+    with pytest.raises(HeadsError, match=r"'draft_token_ids' has shape \(32,\).*draft_vocab_size=64"):
+        load_heads(out)
+
+
+def test_a_draft_vocabulary_for_untied_heads_or_larger_than_the_vocabulary_is_refused():
+    with pytest.raises(ConfigError, match="draft_vocab_size=8 with tied=false"):
+        HeadsConfig(num_heads=2, hidden_size=8, vocab_size=10, tied=False, draft_vocab_size=8)
+    with pytest.raises(ConfigError, match=r"draft_vocab_size=11: must lie in 0..vocab_size=10"):
+        HeadsConfig(num_heads=2, hidden_size=8, vocab_size=10, draft_vocab_size=11)
+
+
+@pytest.mark.parametrize("tree", ["chain", "consensus", "dynamic"])
+def test_greedy_output_with_a_draft_vocabulary_equals_the_model_alone(heads, tiny_model, tree):
+    small = heads.with_draft_vocab(torch.arange(0, 256, 2))  # half the tokens, never the odd ones
+    drafter = HeadsDrafter(small, tiny_model)
+    decoder = ReferenceDecoder(tiny_model, drafter, SpecOptions(tree=tree, min_path_prob=0.0, prompt_lookup_max=0))
+    drafted = []
+    head_logits = drafter.head_logits
+    drafter.head_logits = lambda *a: drafted.append(out := head_logits(*a)) or out
+    for prompt in ([1, 17, 42, 5], [3, 99, 100, 101, 7, 8, 200, 13]):
+        expected = plain_greedy(tiny_model, prompt, max_new_tokens=30, eos_token_ids=set())
+        assert decoder.decode(prompt, max_new_tokens=30).tokens == expected
+    # Every guess the heads made was an even (kept) token.
+    assert all((logits.argmax(-1) % 2 == 0).all() for logits in drafted)
+
+
+def test_the_proposer_sends_target_ids_for_draft_vocabulary_guesses(tiny_model, tiny_model_dir, heads, tmp_path):
+    from vllm_mtpspec.vllm.proposer import MTPSpecProposer
+
+    ids = torch.randperm(256, generator=torch.Generator().manual_seed(1))[:96]
+    heads_dir = save_heads(heads.with_draft_vocab(ids), tmp_path / "dv")
+    config = SimpleNamespace(
+        additional_config={"mtpspec": {"heads": str(heads_dir), "min_path_prob": 0.0, "prompt_lookup_max": 0,
+                                       "tree": "consensus", "max_tree_nodes": 8}},
+        model_config=SimpleNamespace(model=str(tiny_model_dir), hf_text_config=tiny_model.config, dtype=torch.float32),
+        speculative_config=SimpleNamespace(num_speculative_tokens=8),
+        device_config=SimpleNamespace(device="cpu"),
+    )
+    p = MTPSpecProposer(config)
+    p.load_model(SimpleNamespace(compute_logits=tiny_model.get_output_embeddings(),
+                                 embed_input_ids=tiny_model.get_input_embeddings()))
+    hidden = torch.randn(2, 64)
+    p.capture_step(hidden, None, ["chain", "tree"], tree_blocker=["penalties", None].__getitem__)
+    drafts = p.propose([[1], [2]])
+    weight = tiny_model.get_output_embeddings().weight.detach()
+    full = heads(hidden, lm_head=heads.lm_head_for(weight))[..., ids]  # the kept tokens' logits
+    assert drafts[0] == ids[full[0].argmax(-1)].tolist()
+    top = ids[full[1].topk(5, dim=-1).indices]
+    assert drafts[1] == p.static_shape.node_tokens(top).tolist()
+
+
+def test_the_copy_keeps_the_storage_dtype_and_int2_codes(heads):
+    half = heads.to(torch.float16)
+    try:
+        assert half.with_draft_vocab(torch.arange(8)).block.weight.dtype == torch.float16
+    finally:
+        heads.float()
+    int2 = heads.quantized(group_size=32)
+    small = int2.with_draft_vocab(torch.arange(8))
+    assert small.is_quantized and small.nbytes() == int2.nbytes() + 8 * 8

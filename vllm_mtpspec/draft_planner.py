@@ -1,0 +1,280 @@
+"""How much each request drafts this step, from expected goodput.
+
+A draft token pays when the accepted tokens it is expected to add are worth more than
+the time it adds to the step that verifies it (SmartSpec, arXiv 2406.14066, plans the
+same way). Every step the planner has, for each request, the chance that the target
+keeps its first m drafts, for m = 1, 2, ...:
+- heads' chains: the heads' own path probability (the product of each head's
+  temperature-scaled top-1 probability), mapped through what the target really kept of
+  earlier drafts with that predicted probability (KeepCalibration: the same heads accept
+  less on new text than on their training data, and sampled requests keep drafts by a
+  different law than greedy ones);
+- prompt-lookup chains: the measured chance that lookup drafts are kept, depth by depth
+  (LookupKeepRates).
+and the measured cost of a verify step by its number of query tokens (step_cost.py).
+
+Because a request's chance of keeping m drafts never grows with m, the best plan with D
+draft tokens in all is the D largest chances across the batch; the planner takes the D
+whose expected tokens per second, (B + kept) / (step(B + D) + drafting), is highest, and
+a request whose drafts are not worth it gets none. Once `rest_after` heads runs in a row
+for a kind of batch sent none of their drafts, the heads rest for it (that saves their
+cost too), except every `explore_every` steps, when it checks again; never before
+`warmup_steps` steps of that kind were timed, since the first plans rest on guesses.
+Every `explore_every` plans it also tries a plan half a token per request larger or
+smaller than the best, so that the costs next to the chosen size stay measured. Which plan is taken never changes what is generated:
+verification is lossless for any drafts.
+"""
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from vllm_mtpspec.step_cost import StepCosts
+
+
+@dataclass(frozen=True)
+class Plan:
+    lengths: list[int]           # drafts sent, per request
+    expected_tokens: float       # tokens the batch is expected to emit in the verify step
+    seconds: float               # predicted time of that step (drafting included)
+
+    @property
+    def draft_tokens(self) -> int:
+        return sum(self.lengths)
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.expected_tokens / max(self.seconds, 1e-12)
+
+
+def plan_drafts(keep_probs: Sequence[Sequence[float]], step_seconds: Callable[[int], float], *,
+                drafting_seconds: float = 0.0, total: int | None = None) -> Plan:
+    """keep_probs[i][m - 1]: the chance that request i's first m drafts are all kept (made
+    non-increasing in m here); step_seconds(q): a verify step of q query tokens.
+
+    Returns the draft lengths with the most expected tokens per second, counting every
+    request's own token and `drafting_seconds` for any step that drafts; total: the
+    number of draft tokens to send instead of the best (exploration)."""
+    gains: list[tuple[float, int]] = []
+    for i, probs in enumerate(keep_probs):
+        reach = 1.0
+        for p in probs:
+            reach = min(reach, max(float(p), 0.0))
+            gains.append((reach, i))
+    gains.sort(key=lambda g: -g[0])  # stable: a request's shallower drafts stay first
+    batch = len(keep_probs)
+
+    def cost(d: int) -> float:
+        return step_seconds(batch + d) + (drafting_seconds if d else 0.0)
+
+    tokens = [float(batch)]
+    for reach, _ in gains:
+        tokens.append(tokens[-1] + reach)
+    if total is None:
+        total = max(range(len(tokens)), key=lambda d: (tokens[d] / max(cost(d), 1e-12), -d))
+    total = min(max(total, 0), len(gains))
+    lengths = [0] * batch
+    for _, i in gains[:total]:
+        lengths[i] += 1
+    return Plan(lengths, tokens[total], cost(total))
+
+
+class KeepCalibration:
+    """What the target really keeps of drafts whose predicted path probability was p.
+
+    Ten bins over [0, 1]; each holds the decaying share of drafts kept among those
+    predicted in it, pulled towards the prediction itself by `prior_weight` pseudo-drafts
+    (so an unseen bin trusts the heads)."""
+
+    def __init__(self, *, bins: int = 10, prior_weight: float = 4.0, decay: float = 0.9995) -> None:
+        self.bins = bins
+        self.prior_weight = prior_weight
+        self.decay = decay
+        self._kept = [0.0] * bins
+        self._seen = [0.0] * bins
+
+    def _bin(self, p: float) -> int:
+        return min(max(int(p * self.bins), 0), self.bins - 1)
+
+    def keep_probability(self, predicted: float) -> float:
+        b = self._bin(predicted)
+        return (self._kept[b] + self.prior_weight * predicted) / (self._seen[b] + self.prior_weight)
+
+    def observe(self, predicted: float, kept: bool) -> None:
+        self._kept = [k * self.decay for k in self._kept]
+        self._seen = [s * self.decay for s in self._seen]
+        b = self._bin(predicted)
+        self._kept[b] += float(kept)
+        self._seen[b] += 1.0
+
+
+class LookupKeepRates:
+    """Measured chance that a prompt-lookup draft at depth m is kept once depths 1..m-1
+    were, starting from `prior` worth `prior_weight` drafts."""
+
+    def __init__(self, max_depth: int, *, prior: float = 0.6, prior_weight: float = 2.0, decay: float = 0.999) -> None:
+        self.decay = decay
+        self._kept = [prior * prior_weight] * max_depth
+        self._seen = [prior_weight] * max_depth
+
+    def keep_probs(self, length: int) -> list[float]:
+        out, reach = [], 1.0
+        for m in range(min(length, len(self._seen))):
+            reach *= self._kept[m] / self._seen[m]
+            out.append(reach)
+        return out
+
+    def observe(self, drafted: int, kept: int) -> None:
+        # Depth m + 1 was reached (verified) when the m before it were kept.
+        for m in range(min(drafted, kept + 1, len(self._seen))):
+            self._kept[m] = self._kept[m] * self.decay + float(m < kept)
+            self._seen[m] = self._seen[m] * self.decay + 1.0
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """A request's draft as offered to the planner: where it came from, whether the request
+    samples, and per draft token the heads' path probability (heads only)."""
+
+    source: str                       # "heads" or "lookup"
+    sampled: bool
+    length: int
+    path_probs: tuple[float, ...] = ()
+    tokens: tuple[int, ...] = ()      # the draft itself (the planner reads only its length)
+
+
+@dataclass
+class _Sent:
+    candidate: Candidate
+    length: int
+
+
+@dataclass
+class PlannerLog:
+    """What the last plan chose and why (read by the once-a-minute log line)."""
+
+    batch_size: int = 0
+    sampled: bool = False
+    draft_tokens: int = 0
+    expected_tokens: float = 0.0
+    seconds: float = 0.0
+    seconds_without_drafts: float = 0.0
+    explored: bool = False
+
+
+@dataclass
+class DraftPlanner:
+    max_depth: int
+    explore_every: int = 32
+    rest_after: int = 4
+    warmup_steps: int = 16
+    clock: Callable[[], float] = time.perf_counter
+    costs: StepCosts = field(default_factory=StepCosts)
+
+    def __post_init__(self) -> None:
+        self.heads_keep = {False: KeepCalibration(), True: KeepCalibration()}
+        self.lookup_keep = {False: LookupKeepRates(self.max_depth), True: LookupKeepRates(self.max_depth)}
+        self._sent: dict[str, _Sent] = {}
+        self._verify_started: float | None = None
+        self._plans: dict[tuple[int, bool], int] = {}         # plans made per kind of batch
+        self._fruitless: dict[tuple[int, bool], int] = {}     # heads runs in a row that sent nothing
+        self._resting: dict[tuple[int, bool], int] = {}       # steps the heads have rested
+        self.last = PlannerLog()
+
+    # -- what the step that just ended showed -------------------------------------------------
+    def observe_step(self, req_ids: Sequence[str], emitted: Sequence[int], verified_drafts: Sequence[int] | None,
+                     sampled: Sequence[bool], *, timed: bool) -> None:
+        """Called before planning: the tokens each request emitted in the step that just
+        ended, the drafts it verified (None: none), whether each samples, and whether the
+        step decoded only (no prompt prefilled alongside, so its time is a verify step's)."""
+        now = self.clock()
+        started, self._verify_started = self._verify_started, None
+        if started is not None and timed and req_ids:
+            drafts = sum(verified_drafts) if verified_drafts is not None else 0
+            self.costs.curve(len(req_ids), any(sampled)).add(len(req_ids) + drafts, now - started)
+        sent, self._sent = self._sent, {}
+        if verified_drafts is None:
+            return
+        for i, req in enumerate(req_ids):
+            drafted = sent.get(req)
+            if drafted is None:
+                continue
+            n = min(drafted.length, verified_drafts[i])
+            kept = min(max(emitted[i] - 1, 0), n)
+            c = drafted.candidate
+            if c.source == "lookup":
+                self.lookup_keep[c.sampled].observe(n, kept)
+            else:
+                calibration = self.heads_keep[c.sampled]
+                # Path probabilities are the chance of keeping every draft up to m + 1: a
+                # draft after a rejected one counts as not kept.
+                for m in range(n):
+                    calibration.observe(c.path_probs[m], m < kept)
+
+    def verify_started(self) -> None:
+        """Called when the drafts are handed to vLLM: the verify step's clock starts."""
+        self._verify_started = self.clock()
+
+    # -- this step's plan ----------------------------------------------------------------------
+    def wants_heads(self, batch_size: int, sampled: bool) -> bool:
+        """Whether to run the heads this step: not once rest_after runs in a row for this kind
+        of batch sent nothing, except every explore_every steps."""
+        key = StepCosts.key(batch_size, sampled)
+        if self._fruitless.get(key, 0) < self.rest_after:
+            return True
+        self._resting[key] = self._resting.get(key, 0) + 1
+        return self._resting[key] % self.explore_every == 0
+
+    def plan(self, req_ids: Sequence[str], candidates: Sequence[Candidate | None], *, sampled: bool,
+             drafting_seconds: float = 0.0) -> list[int]:
+        """Draft lengths per request (candidates[i] None: nothing to offer)."""
+        batch = len(req_ids)
+        keep = [self.keep_probs(c) if c is not None else [] for c in candidates]
+        curve = self.costs.curve(batch, sampled)
+        # Before anything is measured, drafting everything is the first measurement.
+        seconds = curve.seconds if curve.measured else (lambda q: 1.0)
+        best = plan_drafts(keep, seconds, drafting_seconds=drafting_seconds)
+        key = StepCosts.key(batch, sampled)
+        self._plans[key] = self._plans.get(key, 0) + 1
+        explored = curve.measured and self._plans[key] % self.explore_every == 0
+        plan = best
+        if explored:
+            step = max(1, batch // 2)
+            wider = (self._plans[key] // self.explore_every) % 2 == 0
+            plan = plan_drafts(keep, seconds, drafting_seconds=drafting_seconds,
+                               total=best.draft_tokens + (step if wider else -step))
+        heads_lengths = [n for c, n in zip(candidates, best.lengths) if c is not None and c.source == "heads"]
+        if any(heads_lengths):
+            self._fruitless[key] = 0
+            self._resting[key] = 0
+        elif heads_lengths and curve.samples(batch) and curve.steps >= self.warmup_steps:
+            # The heads ran and none of their drafts was worth sending, judged against a
+            # measured (not extrapolated) step without drafts and a curve past its first
+            # guesses.
+            self._fruitless[key] = self._fruitless.get(key, 0) + 1
+        for req, c, n in zip(req_ids, candidates, plan.lengths):
+            if c is not None and n:
+                self._sent[req] = _Sent(c, n)
+        self.last = PlannerLog(batch, sampled, plan.draft_tokens, plan.expected_tokens, plan.seconds,
+                               curve.seconds(batch) or 0.0, explored)
+        return plan.lengths
+
+    def keep_probs(self, candidate: Candidate) -> list[float]:
+        if candidate.source == "lookup":
+            return self.lookup_keep[candidate.sampled].keep_probs(candidate.length)
+        calibration = self.heads_keep[candidate.sampled]
+        return [calibration.keep_probability(p) for p in candidate.path_probs[:candidate.length]]
+
+    def describe(self) -> str:
+        """One log line: what the last plan chose and why."""
+        last = self.last
+        kind = "with sampled requests" if last.sampled else "greedy"
+        if not last.draft_tokens:
+            return (f"{last.batch_size} running requests ({kind}): drafting nothing; a step without drafts is "
+                    f"measured at {1e3 * last.seconds_without_drafts:.1f} ms and no draft was expected to pay "
+                    "for the time it adds")
+        return (f"{last.batch_size} running requests ({kind}): drafting {last.draft_tokens} tokens "
+                f"({last.draft_tokens / last.batch_size:.2f} per request{', exploring' if last.explored else ''}), "
+                f"expected {last.expected_tokens / last.batch_size:.2f} tokens per request in a step predicted at "
+                f"{1e3 * last.seconds:.1f} ms (without drafts {1e3 * last.seconds_without_drafts:.1f} ms)")
