@@ -13,16 +13,20 @@ keeps its first m drafts, for m = 1, 2, ...:
   (LookupKeepRates).
 and the measured cost of a verify step by its number of query tokens (step_cost.py).
 
-Because a request's chance of keeping m drafts never grows with m, the best plan with D
-draft tokens in all is the D largest chances across the batch; the planner takes the D
-whose expected tokens per second, (B + kept) / (step(B + D) + drafting), is highest, and
-a request whose drafts are not worth it gets none. Once `rest_after` heads runs in a row
-for a kind of batch sent none of their drafts, the heads rest for it (that saves their
-cost too), except every `explore_every` steps, when it checks again; never before
-`warmup_steps` steps of that kind were timed, since the first plans rest on guesses.
-Every `explore_every` plans it also tries a plan half a token per request larger or
-smaller than the best, so that the costs next to the chosen size stay measured. Which plan is taken never changes what is generated:
-verification is lossless for any drafts.
+What a step is worth is measured against what the engine makes anyway: lambda, its
+measured tokens per second for this kind of batch (every request's own token included,
+drafting and verifying included). A plan with D draft tokens in all is worth
+(B + kept(D)) - lambda * step(B + D) tokens; the best plan maximises that (Dinkelbach's
+form of maximising tokens per second over the long run, where one step's own ratio
+would over-weigh the time already spent drafting). Because a request's chance of keeping
+m drafts never grows with m, the best plan with D drafts is the D largest chances across
+the batch, so one pass over D finds it; a request whose drafts are not worth it gets
+none. The heads themselves run while what their drafts add, on average over the steps
+of this kind of batch, is worth more than lambda times their own time; otherwise they
+rest, and every `explore_every` steps they run once more to check. Every `explore_every`
+plans the planner also tries a plan half a token per request larger or smaller than the
+best, so that the costs next to the chosen size stay measured. Which plan is taken never
+changes what is generated: verification is lossless for any drafts.
 """
 from __future__ import annotations
 
@@ -30,6 +34,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
+from vllm_mtpspec.adaptive import DecayingMean
 from vllm_mtpspec.step_cost import StepCosts
 
 
@@ -49,13 +54,16 @@ class Plan:
 
 
 def plan_drafts(keep_probs: Sequence[Sequence[float]], step_seconds: Callable[[int], float], *,
-                drafting_seconds: float = 0.0, total: int | None = None) -> Plan:
+                drafting_seconds: float = 0.0, tokens_per_second: float | None = None,
+                total: int | None = None) -> Plan:
     """keep_probs[i][m - 1]: the chance that request i's first m drafts are all kept (made
     non-increasing in m here); step_seconds(q): a verify step of q query tokens.
 
-    Returns the draft lengths with the most expected tokens per second, counting every
-    request's own token and `drafting_seconds` for any step that drafts; total: the
-    number of draft tokens to send instead of the best (exploration)."""
+    Returns the draft lengths with the most expected tokens per second in this step,
+    counting every request's own token and `drafting_seconds` for any step that drafts;
+    or, given tokens_per_second (lambda), the most expected tokens less lambda times the
+    step's time. total: the number of draft tokens to send instead of the best
+    (exploration)."""
     gains: list[tuple[float, int]] = []
     for i, probs in enumerate(keep_probs):
         reach = 1.0
@@ -72,7 +80,13 @@ def plan_drafts(keep_probs: Sequence[Sequence[float]], step_seconds: Callable[[i
     for reach, _ in gains:
         tokens.append(tokens[-1] + reach)
     if total is None:
-        total = max(range(len(tokens)), key=lambda d: (tokens[d] / max(cost(d), 1e-12), -d))
+        if tokens_per_second is None:
+            def worth(d: int) -> float:
+                return tokens[d] / max(cost(d), 1e-12)
+        else:
+            def worth(d: int) -> float:
+                return tokens[d] - tokens_per_second * cost(d)
+        total = max(range(len(tokens)), key=lambda d: (worth(d), -d))
     total = min(max(total, 0), len(gains))
     lengths = [0] * batch
     for _, i in gains[:total]:
@@ -161,14 +175,17 @@ class PlannerLog:
     seconds: float = 0.0
     seconds_without_drafts: float = 0.0
     explored: bool = False
+    tokens_per_second: float | None = None
+    heads_gain: float | None = None      # tokens the heads' drafts add per run, on average
+    heads_cost: float | None = None      # tokens the engine makes in the heads' own time
 
 
 @dataclass
 class DraftPlanner:
     max_depth: int
     explore_every: int = 32
-    rest_after: int = 4
-    warmup_steps: int = 16
+    warmup_steps: int = 8        # heads runs of a kind of batch before they may rest
+    rate_decay: float = 0.95
     clock: Callable[[], float] = time.perf_counter
     costs: StepCosts = field(default_factory=StepCosts)
 
@@ -177,9 +194,14 @@ class DraftPlanner:
         self.lookup_keep = {False: LookupKeepRates(self.max_depth), True: LookupKeepRates(self.max_depth)}
         self._sent: dict[str, _Sent] = {}
         self._verify_started: float | None = None
-        self._plans: dict[tuple[int, bool], int] = {}         # plans made per kind of batch
-        self._fruitless: dict[tuple[int, bool], int] = {}     # heads runs in a row that sent nothing
-        self._resting: dict[tuple[int, bool], int] = {}       # steps the heads have rested
+        self._observed_at: float | None = None
+        Key = tuple[int, bool]
+        self._tokens: dict[Key, DecayingMean] = {}       # tokens per step, decode-only steps
+        self._seconds: dict[Key, DecayingMean] = {}      # their whole time, drafting included
+        self._heads_gain: dict[Key, DecayingMean] = {}   # what the heads' drafts added, in tokens
+        self._heads_seconds: dict[Key, DecayingMean] = {}
+        self._plans: dict[Key, int] = {}                 # plans made per kind of batch
+        self._resting: dict[Key, int] = {}               # steps the heads have rested
         self.last = PlannerLog()
 
     # -- what the step that just ended showed -------------------------------------------------
@@ -190,9 +212,15 @@ class DraftPlanner:
         step decoded only (no prompt prefilled alongside, so its time is a verify step's)."""
         now = self.clock()
         started, self._verify_started = self._verify_started, None
-        if started is not None and timed and req_ids:
-            drafts = sum(verified_drafts) if verified_drafts is not None else 0
-            self.costs.curve(len(req_ids), any(sampled)).add(len(req_ids) + drafts, now - started)
+        previous, self._observed_at = self._observed_at, now
+        if timed and req_ids:
+            key = StepCosts.key(len(req_ids), any(sampled))
+            if started is not None:
+                drafts = sum(verified_drafts) if verified_drafts is not None else 0
+                self.costs.curve(len(req_ids), any(sampled)).add(len(req_ids) + drafts, now - started)
+            if previous is not None:
+                self._tokens.setdefault(key, DecayingMean(self.rate_decay)).add(float(sum(emitted)))
+                self._seconds.setdefault(key, DecayingMean(self.rate_decay)).add(now - previous)
         sent, self._sent = self._sent, {}
         if verified_drafts is None:
             return
@@ -216,25 +244,41 @@ class DraftPlanner:
         """Called when the drafts are handed to vLLM: the verify step's clock starts."""
         self._verify_started = self.clock()
 
+    def tokens_per_second(self, batch_size: int, sampled: bool) -> float | None:
+        """lambda: what the engine makes per second for this kind of batch, as measured."""
+        key = StepCosts.key(batch_size, sampled)
+        tokens, seconds = self._tokens.get(key), self._seconds.get(key)
+        if tokens is None or seconds is None or seconds.value <= 0:
+            return None
+        return tokens.value / seconds.value
+
     # -- this step's plan ----------------------------------------------------------------------
     def wants_heads(self, batch_size: int, sampled: bool) -> bool:
-        """Whether to run the heads this step: not once rest_after runs in a row for this kind
-        of batch sent nothing, except every explore_every steps."""
+        """Whether to run the heads this step: while their drafts add more, on average, than
+        the engine makes in their own time; else every explore_every steps, to check."""
         key = StepCosts.key(batch_size, sampled)
-        if self._fruitless.get(key, 0) < self.rest_after:
+        gain, cost = self._heads_gain.get(key), self._heads_seconds.get(key)
+        rate = self.tokens_per_second(batch_size, sampled)
+        if gain is None or cost is None or rate is None or gain.samples < self.warmup_steps:
+            return True
+        if gain.value > rate * cost.value:
+            self._resting[key] = 0
             return True
         self._resting[key] = self._resting.get(key, 0) + 1
         return self._resting[key] % self.explore_every == 0
 
     def plan(self, req_ids: Sequence[str], candidates: Sequence[Candidate | None], *, sampled: bool,
              drafting_seconds: float = 0.0) -> list[int]:
-        """Draft lengths per request (candidates[i] None: nothing to offer)."""
+        """Draft lengths per request (candidates[i] None: nothing to offer). drafting_seconds:
+        what running the heads took this step (0 when they rested)."""
         batch = len(req_ids)
         keep = [self.keep_probs(c) if c is not None else [] for c in candidates]
         curve = self.costs.curve(batch, sampled)
         # Before anything is measured, drafting everything is the first measurement.
         seconds = curve.seconds if curve.measured else (lambda q: 1.0)
-        best = plan_drafts(keep, seconds, drafting_seconds=drafting_seconds)
+        rate = self.tokens_per_second(batch, sampled) if curve.measured else None
+        # The heads' time this step is spent whatever is sent: it does not enter the plan.
+        best = plan_drafts(keep, seconds, tokens_per_second=rate)
         key = StepCosts.key(batch, sampled)
         self._plans[key] = self._plans.get(key, 0) + 1
         explored = curve.measured and self._plans[key] % self.explore_every == 0
@@ -242,22 +286,24 @@ class DraftPlanner:
         if explored:
             step = max(1, batch // 2)
             wider = (self._plans[key] // self.explore_every) % 2 == 0
-            plan = plan_drafts(keep, seconds, drafting_seconds=drafting_seconds,
+            plan = plan_drafts(keep, seconds, tokens_per_second=rate,
                                total=best.draft_tokens + (step if wider else -step))
-        heads_lengths = [n for c, n in zip(candidates, best.lengths) if c is not None and c.source == "heads"]
-        if any(heads_lengths):
-            self._fruitless[key] = 0
-            self._resting[key] = 0
-        elif heads_lengths and curve.samples(batch) and curve.steps >= self.warmup_steps:
-            # The heads ran and none of their drafts was worth sending, judged against a
-            # measured (not extrapolated) step without drafts and a curve past its first
-            # guesses.
-            self._fruitless[key] = self._fruitless.get(key, 0) + 1
+        heads_ran = any(c is not None and c.source == "heads" for c in candidates)
+        if heads_ran and rate is not None:
+            # What the heads added: the best plan against the best without their drafts.
+            without = plan_drafts([k if c is not None and c.source == "lookup" else []
+                                   for k, c in zip(keep, candidates)], seconds, tokens_per_second=rate)
+            gain = (best.expected_tokens - rate * best.seconds) - (without.expected_tokens - rate * without.seconds)
+            self._heads_gain.setdefault(key, DecayingMean(self.rate_decay)).add(max(gain, 0.0))
+            self._heads_seconds.setdefault(key, DecayingMean(self.rate_decay)).add(drafting_seconds)
         for req, c, n in zip(req_ids, candidates, plan.lengths):
             if c is not None and n:
                 self._sent[req] = _Sent(c, n)
+        gain, cost = self._heads_gain.get(key), self._heads_seconds.get(key)
         self.last = PlannerLog(batch, sampled, plan.draft_tokens, plan.expected_tokens, plan.seconds,
-                               curve.seconds(batch) or 0.0, explored)
+                               curve.seconds(batch) or 0.0, explored, rate,
+                               None if gain is None else gain.value,
+                               None if cost is None or rate is None else rate * cost.value)
         return plan.lengths
 
     def keep_probs(self, candidate: Candidate) -> list[float]:
@@ -270,11 +316,16 @@ class DraftPlanner:
         """One log line: what the last plan chose and why."""
         last = self.last
         kind = "with sampled requests" if last.sampled else "greedy"
+        rate = "not yet measured" if last.tokens_per_second is None else f"{last.tokens_per_second:.1f} tokens/s"
+        heads = ""
+        if last.heads_gain is not None and last.heads_cost is not None:
+            heads = (f"; the heads' drafts add {last.heads_gain:.2f} tokens a run against {last.heads_cost:.2f} made "
+                     f"in their own time ({'running' if last.heads_gain > last.heads_cost else 'resting'})")
         if not last.draft_tokens:
-            return (f"{last.batch_size} running requests ({kind}): drafting nothing; a step without drafts is "
-                    f"measured at {1e3 * last.seconds_without_drafts:.1f} ms and no draft was expected to pay "
-                    "for the time it adds")
-        return (f"{last.batch_size} running requests ({kind}): drafting {last.draft_tokens} tokens "
+            return (f"{last.batch_size} running requests ({kind}, engine at {rate}): drafting nothing; a step without "
+                    f"drafts is measured at {1e3 * last.seconds_without_drafts:.1f} ms and no draft was expected to "
+                    f"pay for the time it adds{heads}")
+        return (f"{last.batch_size} running requests ({kind}, engine at {rate}): drafting {last.draft_tokens} tokens "
                 f"({last.draft_tokens / last.batch_size:.2f} per request{', exploring' if last.explored else ''}), "
                 f"expected {last.expected_tokens / last.batch_size:.2f} tokens per request in a step predicted at "
-                f"{1e3 * last.seconds:.1f} ms (without drafts {1e3 * last.seconds_without_drafts:.1f} ms)")
+                f"{1e3 * last.seconds:.1f} ms (without drafts {1e3 * last.seconds_without_drafts:.1f} ms){heads}")
