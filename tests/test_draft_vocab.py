@@ -130,3 +130,13 @@ def test_the_copy_keeps_the_storage_dtype_and_int2_codes(heads):
     int2 = heads.quantized(group_size=32)
     small = int2.with_draft_vocab(torch.arange(8))
     assert small.is_quantized and small.nbytes() == int2.nbytes() + 8 * 8
+
+
+def test_a_draft_vocabulary_whose_model_files_cannot_be_found_is_refused_at_start(tiny_model, tiny_model_dir,
+                                                                                   heads, tmp_path):
+    from vllm_mtpspec.vllm.proposer import draft_vocab_lm_head_weight
+
+    weight = draft_vocab_lm_head_weight(str(tiny_model_dir), "h")
+    torch.testing.assert_close(weight, tiny_model.get_output_embeddings().weight.detach())
+    with pytest.raises(HeadsError, match="h/config.json: draft_vocab_size is set.*'no-such/model' is neither"):
+        draft_vocab_lm_head_weight("no-such/model", "h")

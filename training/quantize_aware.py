@@ -82,8 +82,8 @@ def int2_copy(heads: MTPHeads, config, train_shards: list[Path], *, lm_head: tor
 
     files = train_shards[: config.int2_calibration_shards]
     examples = load_examples(files, heads.num_heads)
-    described = f"{min(32768, len(examples['token']))} rows of {len(files)} training shards"
-    statistics, _ = statistics_from_examples(heads.float(), examples, embed, lm_head)
+    statistics, rows = statistics_from_examples(heads.float(), examples, embed, lm_head)
+    described = f"{rows} rows of {len(files)} training shards"
     if config.quantize_aware_steps:
         logger.info("INT2 copy: GPTQ, then %d quantization-aware steps", config.quantize_aware_steps)
         return quantize_aware(heads, examples, lm_head=lm_head, embed=embed, steps=config.quantize_aware_steps,

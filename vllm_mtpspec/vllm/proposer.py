@@ -128,9 +128,7 @@ class MTPSpecProposer:
         if self.heads.draft_vocab is not None:
             # The draft vocabulary's rows of the LM head, read from the model's files (the
             # loaded weights may be repacked); every tensor-parallel rank holds all N rows.
-            from vllm_mtpspec.weights import embedding_and_lm_head
-
-            lm_head_weight = embedding_and_lm_head(self.model_path)[1].to(self.device, self.dtype)
+            lm_head_weight = draft_vocab_lm_head_weight(self.model_path, self.options.heads).to(self.device, self.dtype)
             self._lm_head = self.heads.lm_head_for(lm_head_weight)
             self._draft_ids = self.heads.draft_vocab.to(self.device)
         options = self.options
@@ -333,3 +331,25 @@ class MTPSpecProposer:
             log_fallback_once(blocker)
             return False
         return True
+
+
+def draft_vocab_lm_head_weight(model: str, heads_dir: str) -> torch.Tensor:
+    """The target's [V, d] LM head from its files: a local folder, or a hub id vLLM has
+    already downloaded into the Hugging Face cache."""
+    from pathlib import Path
+
+    from vllm_mtpspec.checkpoint import HeadsError
+    from vllm_mtpspec.weights import embedding_and_lm_head
+
+    folder = Path(model)
+    if not (folder / "config.json").is_file():
+        try:
+            from huggingface_hub import snapshot_download
+
+            folder = Path(snapshot_download(model, local_files_only=True))
+        except Exception as err:  # not a hub id, or not in the cache
+            raise HeadsError(f"{heads_dir}/config.json: draft_vocab_size is set, and its LM-head rows are read from "
+                             f"the model's files, but {model!r} is neither a local model folder nor in the Hugging "
+                             f"Face cache ({type(err).__name__}); serve a local folder, or use heads without a "
+                             "draft vocabulary") from None
+    return embedding_and_lm_head(folder)[1]
