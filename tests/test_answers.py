@@ -96,3 +96,25 @@ def test_an_answers_folder_of_another_prompt_list_is_refused_before_generating(t
     assert not _answered(tmp_path, 0, prompts)
     with pytest.raises(AnswersError, match="answers-00000.npz: field 'ids' answers other prompts.*--answers"):
         generate_answers("no-model-needed", [Prompt("x", "general", "z")] + prompts, tmp_path, shard_size=3)
+
+
+def test_shards_can_carry_the_prompt_rows_before_each_answer(tiny_smol_teacher, tmp_path):
+    from training.examples import answer_sequence
+
+    target = load_target(str(tiny_smol_teacher))
+    prompt = target.tokenizer.encode("Name three colours, please.", add_special_tokens=False)
+    answer = target.tokenizer.encode("Red, green, blue.", add_special_tokens=False)
+    write_answers(answers_path(tmp_path / "answers", 0), ["a"], ["general"], [prompt], [answer],
+                  fingerprint=model_fingerprint(tiny_smol_teacher), vocab_size=target.model.config.vocab_size)
+    shards_from_answers(tiny_smol_teacher, tmp_path / "answers", tmp_path / "shards", top_k=4, context_rows=3)
+    shard = torch.load(list_shards(tmp_path / "shards")[0], weights_only=True)
+    with torch.no_grad():
+        states = target.model.get_decoder()(input_ids=torch.tensor([prompt + answer])).last_hidden_state[0]
+    first = len(prompt) - 1
+    torch.testing.assert_close(shard["context_hidden"].float(), states[first - 3:first].half().float())
+    assert shard["context_offsets"].tolist() == [0, 3]
+    seq = answer_sequence(shard, 0)
+    # Each row beside the token it produced, at its place in prompt + answer.
+    assert seq["tokens"].tolist() == prompt[-3:] + answer and seq["first_answer_row"] == 3
+    assert seq["positions"].tolist() == list(range(first - 3, first + len(answer)))
+    torch.testing.assert_close(seq["features"], states[first - 3:first + len(answer)].half().float())

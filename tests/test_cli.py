@@ -122,3 +122,34 @@ def test_heads_draft_vocab_keeps_the_most_frequent_answer_tokens(tiny_model_dir,
     assert main(["heads", "draft-vocab", str(out), "--size", "0", "--answers", str(tmp_path / "answers"),
                  "--out", str(tmp_path / "dv2")]) == 2
     assert "--size 0: must lie in 1..256" in capsys.readouterr().err
+
+
+def test_a_draft_block_is_made_inspected_and_scored_and_refused_where_it_cannot_run(tiny_smol_teacher, tmp_path,
+                                                                                   capsys):
+    from training.answers import answers_path, shards_from_answers, write_answers
+    from vllm_mtpspec.checkpoint import load_heads, model_fingerprint
+
+    out = tmp_path / "block"
+    assert main(["heads", "init", "--model", str(tiny_smol_teacher), "--kind", "attention", "--num-heads", "2",
+                 "--out", str(out)]) == 0
+    capsys.readouterr()
+    assert main(["heads", "info", str(out), "--json"]) == 0
+    info = json.loads(capsys.readouterr().out)
+    assert info["head_kind"] == "attention" and info["block"]["kv_heads"] == 1 and "mlp_size" not in info
+    assert info["parameters"] == sum(t.numel() for t in load_heads(out).state_dict().values())
+    assert main(["heads", "quantize", str(out), "--out", str(tmp_path / "q")]) == 2
+    assert "block/config.json: head_kind='attention'" in capsys.readouterr().err
+    answers = tmp_path / "answers"
+    write_answers(answers_path(answers, 0), ["a", "b"], ["general", "code"], [[1, 9, 40, 7], [5, 6, 7, 8, 9]],
+                  [[11, 12, 13, 14, 15, 16], [20, 21, 22, 23, 24, 25, 26]],
+                  fingerprint=model_fingerprint(tiny_smol_teacher), vocab_size=49152)
+    shards_from_answers(tiny_smol_teacher, answers, tmp_path / "answer-rows", top_k=4)
+    assert main(["eval-heads", "--model", str(tiny_smol_teacher), "--heads", str(out),
+                 "--prompts", str(tmp_path / "answer-rows")]) == 2
+    assert "carry none (context_hidden)" in capsys.readouterr().err
+    shards_from_answers(tiny_smol_teacher, answers, tmp_path / "with-context", top_k=4, context_rows=512)
+    assert main(["eval-heads", "--model", str(tiny_smol_teacher), "--heads", str(out),
+                 "--prompts", str(tmp_path / "with-context")]) == 0
+    printed = capsys.readouterr().out
+    assert "11 positions" in printed and "top-1 when the heads before it were right" in printed
+    assert "chain+lookup (prompt lookup's draft where found" in printed

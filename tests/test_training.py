@@ -111,6 +111,32 @@ def test_cotrained_student_and_heads(tiny_smol_teacher, tiny_smol_student, tiny_
     assert heads.num_heads == 2
 
 
+def test_an_attention_draft_block_trains_on_answers_read_with_their_prompt_rows(tiny_smol_teacher, tiny_data,
+                                                                                  tmp_path):
+    from vllm_mtpspec.checkpoint import load_heads
+    from vllm_mtpspec.draft_block import DraftBlock
+
+    common = dict(model=str(tiny_smol_teacher), head_kind="attention", num_heads=2, epochs=40, batch_size=4,
+                  lr=3e-3, num_negatives=256, storage_path=str(tmp_path / "ray"), checkpoint_every=100,
+                  int2_group_size=None)
+    # Shards of answer rows alone would teach it to draft without the context: refused.
+    with pytest.raises(TrainConfigError, match="carries no prompt rows.*--context-rows"):
+        run_training(TrainConfig(**common, train_data=str(tiny_data / "train"), held_out_data=None, name="no-context",
+                                 out=str(tmp_path / "nothing")))
+    config = TrainConfig(**common, train_data=str(tmp_path / "train"), held_out_data=str(tmp_path / "held"),
+                         train_answers=str(tiny_data / "train" / "answers"),
+                         held_out_answers=str(tiny_data / "held" / "answers"), name="block", out=str(tmp_path / "block"))
+    summary = run_training(config)  # the shards, with prompt rows, come back from the answers
+    rows = [r for r in metrics(tmp_path / "ray" / "block") if "loss" in r]
+    assert rows[-1]["loss"] < rows[0]["loss"] * 0.8, rows
+    block = load_heads(summary["heads_dir"])
+    assert isinstance(block, DraftBlock) and block.num_heads == 2
+    held_out = summary["held_out"]["fp32"]
+    assert len(held_out["conditional_top1"]) == 2 and held_out["mean_accepted_len"]["chain"] >= 1.0
+    with pytest.raises(TrainConfigError, match="head_kind='attention' has no INT2 form yet"):
+        TrainConfig(head_kind="attention")
+
+
 def test_clear_errors(tiny_smol_teacher, tmp_path):
     not_jsonl = tmp_path / "prompts.jsonl"
     not_jsonl.write_text("just some text\nthat is not json\n")

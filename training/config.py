@@ -32,7 +32,8 @@ class TrainConfig:
     max_new_tokens: int = 256
     max_train_shards: int | None = None         # the first N shards only (same-budget comparisons)
     # Heads
-    num_heads: int = 4
+    head_kind: str = "parallel"                # "parallel" heads, or an "attention" draft block (draft_block.py)
+    num_heads: int = 4                         # draft depths trained
     tied: bool = True
     head_input: str = "hidden"
     mlp_size: int = 0                          # each head's hidden layer (0: none; see HeadsConfig)
@@ -44,6 +45,9 @@ class TrainConfig:
     lr: float = 1e-3
     weight_decay: float = 0.0
     num_negatives: int = 2048
+    # Matmuls in bfloat16 (autocast; weights and optimizer stay fp32): about twice as fast
+    # on CPUs with native bf16 (AMX, avx512_bf16), slower on AVX2-only ones.
+    bf16_autocast: bool = False
     kl_weight: float = 1.0
     mtp_weight: float = 1.0                    # lambda in L = L_KD + lambda * sum_i L_MTP(i)
     seed: int = 0
@@ -82,6 +86,21 @@ class TrainConfig:
         if (self.quantize_aware_steps or self.int2_method != "rtn") and not self.int2_group_size:
             raise TrainConfigError("int2_method / quantize_aware_steps shape the INT2 copy: set int2_group_size "
                                    "(e.g. 64), or leave them at rtn / 0")
+        from vllm_mtpspec.config import HEAD_KINDS
+
+        if self.head_kind not in HEAD_KINDS:
+            raise TrainConfigError(f"head_kind={self.head_kind!r}: choose one of {HEAD_KINDS}")
+        if self.head_kind == "attention":
+            if self.mode != "posthoc":
+                raise TrainConfigError("head_kind='attention' trains post-hoc on the frozen target's states: "
+                                       "set mode='posthoc'")
+            if not self.tied:
+                raise TrainConfigError("head_kind='attention' projects through the target's LM head: set tied=true")
+            if self.int2_group_size:
+                raise TrainConfigError("head_kind='attention' has no INT2 form yet: set int2_group_size to null")
+            if self.init_from:
+                raise TrainConfigError("init_from: training an attention draft block further is not built yet; "
+                                       "leave init_from unset")
         if self.max_train_shards is not None and self.max_train_shards < 1:
             raise TrainConfigError(f"max_train_shards={self.max_train_shards}: must be >= 1 (or null for all)")
 

@@ -14,6 +14,10 @@ Shard layout (torch.save), for n answers of lengths L_j, N = sum L_j:
   tokens [N] int32        answer tokens, row r of answer j is its token r - offsets[j]
   hidden [N, d] fp16      the hidden state that produced tokens[r]
   topk_ids [N, K] int32, topk_logprobs [N, K] fp16: the target's distribution for tokens[r]
+With context rows (draft modules that attend over the prompt), for C_j kept prompt rows:
+  context_offsets [n + 1]; context_hidden [sum C_j, d] fp16: the states at the last C_j
+  prompt positions before answer j's first row; the state at prompt position p predicts
+  prompt token p + 1, so the tokens beside them are prompt_ids[j][P_j - C_j:]
 """
 from __future__ import annotations
 
@@ -147,6 +151,7 @@ def generate_self_distillation(
     *,
     answers_dir: str | Path | None = None,
     top_k: int = 8,
+    context_rows: int = 0,
     **generation,
 ) -> Path:
     """Training shards for the prompts in out_dir: answers generated where answers_dir
@@ -154,7 +159,7 @@ def generate_self_distillation(
     keyword arguments of generate_answers."""
     answers_dir = answers_dir_for(out_dir, answers_dir)
     generate_answers(model_dir, prompts, answers_dir, **generation)
-    shards_from_answers(model_dir, answers_dir, out_dir, top_k=top_k)
+    shards_from_answers(model_dir, answers_dir, out_dir, top_k=top_k, context_rows=context_rows)
     return Path(out_dir)
 
 
@@ -182,6 +187,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--kv-cache-gib", type=int, default=1,
                         help="vLLM's KV cache; long prompts want more to keep max_num_seqs of them running")
     parser.add_argument("--top-k", type=int, default=8, help="how much of the target's distribution to keep")
+    parser.add_argument("--context-rows", type=int, default=0,
+                        help="also keep the states of up to this many prompt rows before each answer in the shards "
+                             "(what a draft block with attention reads as context); 0: answer rows only")
     parser.add_argument("--split", choices=("train", "held-out", "all"), default="train")
     # fp32: on CPUs without native bf16 (AVX2) vLLM's fp32 path is far faster.
     parser.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32")
@@ -202,7 +210,7 @@ def main(argv: list[str] | None = None) -> None:
         generate_answers(model_dir, prompts, answers_dir, **generation)
     else:
         generate_self_distillation(model_dir, prompts, args.out, answers_dir=answers_dir, top_k=args.top_k,
-                                   **generation)
+                                   context_rows=args.context_rows, **generation)
 
 
 if __name__ == "__main__":

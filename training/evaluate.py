@@ -49,6 +49,57 @@ def answer_head_logits(heads: MTPHeads, hidden, tokens, lm_head, embed, chunk: i
         yield slice(start, start + h.shape[0]), heads.target_vocab_logits(heads(h, token_embeds=e, lm_head=project))
 
 
+@torch.no_grad()
+def block_answer_logits(block, shard: dict, j: int, lm_head, embed, chunk: int = 256):
+    """answer_head_logits for an attention draft block: the answer is read with the prompt
+    rows before it, every depth as drafting runs it along a chain that is still right."""
+    from training.examples import ShardsError, answer_sequence, has_context_rows
+    from training.modules import pad_sequences
+
+    if not has_context_rows(shard):
+        raise ShardsError("an attention draft block is scored with the prompt rows before each answer, and these "
+                         "shards carry none (context_hidden): rebuild them with `python -m training.data "
+                         "--context-rows 512`")
+    project = block.lm_head_for(lm_head) if isinstance(lm_head, torch.Tensor) else lm_head
+    k = block.num_heads
+    seq = answer_sequence(shard, j)
+    batch = pad_sequences([seq], depth=k)
+    t = batch["features"].shape[1]
+    token_embeds = [embed[batch["tokens"][:, i:i + t]] for i in range(k)]
+    outputs = block.unrolled(batch["features"].float(), token_embeds, batch["positions"], batch["valid"])
+    states = torch.stack(outputs, 2)[0, seq["first_answer_row"]:]            # [n, k, d]
+    for start in range(0, states.shape[0], chunk):
+        g = states[start:start + chunk]
+        logits = project(g.reshape(-1, g.shape[-1])).view(g.shape[0], k, -1)
+        yield slice(start, start + g.shape[0]), block.target_vocab_logits(logits)
+
+
+def draft_logits_along(heads, shard: dict, j: int, project, embed):
+    """(row slice, logits [rows, k, V]) along answer j of a shard, for any head kind."""
+    if heads.config.head_kind == "attention":
+        return block_answer_logits(heads, shard, j, project, embed)
+    start, end = int(shard["offsets"][j]), int(shard["offsets"][j + 1])
+    return answer_head_logits(heads, shard["hidden"][start:end], shard["tokens"][start:end].long(), project, embed)
+
+
+def conditional_hits(top1: torch.Tensor, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per depth i: (rows where depth i was right and depths 1..i-1 were, rows where depths
+    1..i-1 were right and depth i has a target): the chain's conditional top-1.
+    top1 [n, k]: each row's top-1 draft per depth; tokens [n]: the answer."""
+    n, k = top1.shape
+    hits, asked = torch.zeros(k), torch.zeros(k)
+    chain_ok = torch.ones(n, dtype=torch.bool)
+    for i in range(k):
+        rows = torch.arange(n)
+        valid = rows + i + 1 < n
+        right = torch.zeros(n, dtype=torch.bool)
+        right[valid] = top1[valid, i] == tokens[(rows + i + 1)[valid]]
+        asked[i] += (chain_ok & valid).sum()
+        hits[i] += (chain_ok & right).sum()
+        chain_ok &= right
+    return hits, asked
+
+
 def replay_tree(shape: TreeShape, node_tokens_per_row: torch.Tensor, answer: torch.Tensor,
                 lookup: Callable[[int], list[int]] | None = None) -> list[int]:
     """Accepted lengths (accepted + 1) of greedy decoding along one answer. lookup(r), when
@@ -82,7 +133,7 @@ def replay_tree(shape: TreeShape, node_tokens_per_row: torch.Tensor, answer: tor
 
 
 @torch.no_grad()
-def evaluate_heads(heads: MTPHeads, shard_files: list[Path], *, lm_head: torch.Tensor, embed: torch.Tensor,
+def evaluate_heads(heads, shard_files: list[Path], *, lm_head: torch.Tensor, embed: torch.Tensor,
                    trees: tuple[str, ...] = ("chain", "consensus"), max_tree_nodes: int = 16,
                    fit_temperatures: bool = False, temperature_rows: int = 8192,
                    prompt_lookup: tuple[int, int] | None = (2, 4)) -> dict:
@@ -98,6 +149,7 @@ def evaluate_heads(heads: MTPHeads, shard_files: list[Path], *, lm_head: torch.T
     per_cat = defaultdict(lambda: torch.zeros(3, k))  # [top1, top5, count]
     per_len = defaultdict(lambda: torch.zeros(3, k))  # the same by context-length bucket
     nll = torch.zeros(k, len(TEMPERATURE_GRID))
+    cond_hits, cond_asked = torch.zeros(k), torch.zeros(k)
     fitted_rows = [0] * k
     replays = list(trees) + (["chain+lookup"] if prompt_lookup and "chain" in shapes else [])
     accepted = {name: [] for name in replays}
@@ -111,10 +163,9 @@ def evaluate_heads(heads: MTPHeads, shard_files: list[Path], *, lm_head: torch.T
             prompts = shard.get("prompt_ids")
             bucket = "unknown" if prompts is None else context_bucket(len(prompts[j]))
             tokens = shard["tokens"][start:end].long()
-            hidden = shard["hidden"][start:end]
             n = tokens.numel()
             topk_all = torch.empty(n, k, max_rank, dtype=torch.long)
-            for rows_slice, logits in answer_head_logits(heads, hidden, tokens, project, embed):
+            for rows_slice, logits in draft_logits_along(heads, shard, j, project, embed):
                 topk_all[rows_slice] = logits.topk(max_rank, dim=-1).indices
                 for i in range(k):
                     idx = torch.arange(rows_slice.start, rows_slice.stop)
@@ -137,6 +188,9 @@ def evaluate_heads(heads: MTPHeads, shard_files: list[Path], *, lm_head: torch.T
                             logp = torch.log_softmax(lg / temp, dim=-1).gather(-1, target[:, None])
                             # A draft vocabulary has no entry for some targets: fit on the rest.
                             nll[i, t_idx] -= logp[torch.isfinite(logp)].sum()
+            hits_j, asked_j = conditional_hits(topk_all[:, :, 0], tokens)
+            cond_hits += hits_j
+            cond_asked += asked_j
             for name, shape in shapes.items():
                 depth_idx = torch.tensor([d - 1 for d in shape.depths], dtype=torch.long)
                 rank_idx = torch.tensor(shape.ranks, dtype=torch.long)
@@ -161,6 +215,8 @@ def evaluate_heads(heads: MTPHeads, shard_files: list[Path], *, lm_head: torch.T
         "rows": int(rows[0].item()),
         "top1": [round(float(rank_accuracy[i, 0]), 4) for i in range(k)],
         "top5": [round(float(rank_accuracy[i, :5].sum()), 4) for i in range(k)],
+        # The chance depth i is right when depths 1..i-1 were: what a chain multiplies.
+        "conditional_top1": [round(float(cond_hits[i] / cond_asked[i].clamp_min(1)), 4) for i in range(k)],
         "rank_accuracy": [[round(float(v), 4) for v in rank_accuracy[i]] for i in range(k)],
         "mean_accepted_len": {name: round(sum(v) / max(len(v), 1), 4) for name, v in accepted.items()},
         "tree_nodes": {name: len(shape) for name, shape in shapes.items()},

@@ -11,6 +11,13 @@ from pathlib import Path
 import numpy as np
 import torch
 
+class ShardsError(ValueError):
+    """Shards that cannot serve what was asked of them; the message says how to rebuild them."""
+
+
+# Prompt rows kept before each answer for draft modules that attend over the context.
+CONTEXT_ROWS = 512
+
 
 def shard_examples(shard: dict, num_heads: int) -> dict[str, np.ndarray]:
     """All rows of one shard as column arrays (what Ray Data and the evaluators consume)."""
@@ -57,3 +64,32 @@ def load_examples(shard_files: list[Path], num_heads: int) -> dict[str, np.ndarr
         base += int(p["answer"].max()) + 1 if len(p["answer"]) else 0
     out["answer"] = np.concatenate(answers)
     return out
+
+
+def has_context_rows(shard: dict) -> bool:
+    return "context_hidden" in shard
+
+
+def answer_sequence(shard: dict, j: int) -> dict[str, torch.Tensor]:
+    """Answer j with the prompt rows before it, as an attention draft block reads them.
+
+    features [T, d]: the kept context rows, then the answer rows; tokens [T]: the token
+    each row produced (the next prompt token, then the answer's own); positions [T]: the
+    rows' places in prompt + answer; first_answer_row: where the answer's rows begin."""
+    start, end = int(shard["offsets"][j]), int(shard["offsets"][j + 1])
+    prompt = list(shard["prompt_ids"][j])
+    answer = shard["tokens"][start:end].long()
+    if has_context_rows(shard):
+        c0, c1 = int(shard["context_offsets"][j]), int(shard["context_offsets"][j + 1])
+        context = shard["context_hidden"][c0:c1]
+    else:
+        context = shard["hidden"][:0]
+    c = context.shape[0]
+    first = len(prompt) - 1  # the prompt position of answer row 0
+    tokens = torch.cat([torch.tensor(prompt[len(prompt) - c:], dtype=torch.long), answer])
+    return {
+        "features": torch.cat([context.float(), shard["hidden"][start:end].float()]),
+        "tokens": tokens,
+        "positions": torch.arange(first - c, first + end - start),
+        "first_answer_row": c,
+    }

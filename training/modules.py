@@ -44,6 +44,80 @@ class PosthocModule(nn.Module):
         return losses.total, {"loss": losses.total.item(), **_head_metrics(losses)}
 
 
+class BlockModule(nn.Module):
+    """An attention draft block on the frozen target's recorded states. Batches name
+    answers (shard path, answer index); each is read with the prompt rows before it, and
+    every depth trains as drafting runs it (DraftBlock.unrolled: depth j reads depth
+    j - 1's output and the answer's token there, the draft of a chain still right)."""
+
+    def __init__(self, heads, *, lm_head: torch.Tensor, embed: torch.Tensor, num_negatives: int, kl_weight: float) -> None:
+        super().__init__()
+        self.heads = heads
+        self.register_buffer("lm_head", lm_head, persistent=False)
+        self.register_buffer("embed", embed, persistent=False)
+        self.num_negatives, self.kl_weight = num_negatives, kl_weight
+        # Answers come shuffled across all shards: every shard stays loaded once read
+        # (a few GB for the whole data set) rather than being read again per answer.
+        self._shards: dict[str, dict] = {}
+
+    def trainable_parameters(self):
+        return [p for p in self.heads.parameters() if p.requires_grad]
+
+    def _shard(self, path: str) -> dict:
+        if path not in self._shards:
+            self._shards[path] = torch.load(path, weights_only=True)
+        return self._shards[path]
+
+    def forward(self, batch: dict, generator=None):
+        from training.examples import answer_sequence, shard_examples
+
+        device = self.lm_head.device
+        k = self.heads.num_heads
+        seqs, targets, t_ids, t_lp = [], [], [], []
+        for path, j in zip(batch["path"], batch["answer"]):
+            shard = self._shard(str(path))
+            seq = answer_sequence(shard, int(j))
+            start, end = int(shard["offsets"][int(j)]), int(shard["offsets"][int(j) + 1])
+            one = {"offsets": torch.tensor([0, end - start]), "tokens": shard["tokens"][start:end],
+                   "topk_ids": shard["topk_ids"][start:end], "topk_logprobs": shard["topk_logprobs"][start:end],
+                   "hidden": torch.zeros(end - start, 1)}
+            ex = shard_examples(one, k)
+            seq["answer_rows"] = seq["first_answer_row"] + torch.from_numpy(ex["position"])
+            seqs.append(seq)
+            targets.append(torch.from_numpy(ex["targets"]))
+            t_ids.append(torch.from_numpy(ex["teacher_ids"]))
+            t_lp.append(torch.from_numpy(ex["teacher_logprobs"]))
+        batch_tensors = pad_sequences(seqs, depth=k)
+        features, tokens, positions, valid = (batch_tensors[key].to(device) for key in
+                                              ("features", "tokens", "positions", "valid"))
+        t = features.shape[1]
+        token_embeds = [self.embed[tokens[:, i:i + t]] for i in range(k)]  # depth i + 1 reads s_{p+i+1}
+        outputs = self.heads.unrolled(features.float(), token_embeds, positions, valid)
+        stacked = torch.stack(outputs, 2)                                   # [B, T, k, d]
+        row_b = torch.cat([torch.full((len(s["answer_rows"]),), b) for b, s in enumerate(seqs)]).to(device)
+        row_p = torch.cat([s["answer_rows"] for s in seqs]).to(device)
+        losses = mtp_losses(stacked[row_b, row_p], self.lm_head, torch.cat(targets).to(device),
+                            torch.cat(t_ids).to(device), torch.cat(t_lp).to(device), num_negatives=self.num_negatives,
+                            kl_weight=self.kl_weight, generator=generator)
+        return losses.total, {"loss": losses.total.item(), **_head_metrics(losses)}
+
+
+def pad_sequences(seqs: list[dict], *, depth: int) -> dict[str, torch.Tensor]:
+    """answer_sequence()s -> right-padded [B, T] batches; tokens get depth - 1 more columns
+    so that every depth's token (s_{p+j}) can be read at every position (0 past the end,
+    where no loss looks)."""
+    t = max(s["tokens"].numel() for s in seqs)
+    d = seqs[0]["features"].shape[1]
+    features = torch.zeros(len(seqs), t, d, dtype=seqs[0]["features"].dtype)
+    tokens = torch.zeros(len(seqs), t + depth - 1, dtype=torch.long)
+    positions = torch.zeros(len(seqs), t, dtype=torch.long)
+    valid = torch.zeros(len(seqs), t, dtype=torch.bool)
+    for b, s in enumerate(seqs):
+        n = s["tokens"].numel()
+        features[b, :n], tokens[b, :n], positions[b, :n], valid[b, :n] = s["features"], s["tokens"], s["positions"], True
+    return {"features": features, "tokens": tokens, "positions": positions, "valid": valid}
+
+
 @lru_cache(maxsize=8)
 def _load_shard(path: str) -> dict:
     return torch.load(path, weights_only=True)

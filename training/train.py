@@ -73,10 +73,16 @@ def _fail_once(loop_config: dict, step: int) -> None:
 
 
 def _build_module(loop_config: dict):
-    from training.modules import CotrainModule, PosthocModule
+    from training.modules import BlockModule, CotrainModule, PosthocModule
     from vllm_mtpspec.checkpoint import load_heads
 
     heads = load_heads(loop_config["init_heads"])
+    if heads.config.head_kind == "attention":
+        from vllm_mtpspec.weights import embedding_and_lm_head
+
+        embed, lm_head = embedding_and_lm_head(loop_config["model_dir"])
+        return BlockModule(heads, lm_head=lm_head, embed=embed, num_negatives=loop_config["num_negatives"],
+                           kl_weight=loop_config["kl_weight"])
     if loop_config["mode"] == "cotrain":
         from transformers import AutoModelForCausalLM
 
@@ -118,6 +124,7 @@ def train_loop_per_worker(loop_config: dict) -> None:
     shard = ray.train.get_dataset_shard("train")
     bar = tqdm(total=total_steps, initial=step, desc="training heads", disable=rank != 0, mininterval=5)
     generator = torch.Generator().manual_seed(loop_config["seed"] + 1000 * rank)
+    autocast_device = "cuda" if loop_config["use_gpu"] else "cpu"
     seen = 0
     for epoch in range(start_epoch, loop_config["epochs"]):
         for batch in shard.iter_batches(batch_size=loop_config["batch_size"], batch_format="numpy", drop_last=True,
@@ -127,7 +134,8 @@ def train_loop_per_worker(loop_config: dict) -> None:
                 continue
             if loop_config.get("fail_at_step") == step + 1:
                 _fail_once(loop_config, step + 1)
-            loss, step_metrics = model(batch, generator)
+            with torch.autocast(autocast_device, dtype=torch.bfloat16, enabled=loop_config["bf16_autocast"]):
+                loss, step_metrics = model(batch, generator)
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(params, 1.0)
@@ -166,6 +174,7 @@ def ensure_data(config: TrainConfig, model_dir: Path) -> tuple[list[Path], list[
     and generated for config.prompts where answers are missing."""
     from training.answers import shards_from_answers
     from training.data import answers_dir_for, generate_self_distillation, list_shards
+    from training.examples import CONTEXT_ROWS
 
     splits = [(config.train_data, config.train_answers, False)]
     if config.held_out_data:
@@ -179,12 +188,14 @@ def ensure_data(config: TrainConfig, model_dir: Path) -> tuple[list[Path], list[
             split = [p for p in prompts if is_held_out(p.id) == held_out]
             if split:
                 generate_self_distillation(model_dir, split, data, answers_dir=answers_dir_for(data, answers),
-                                           max_new_tokens=config.max_new_tokens)
+                                           max_new_tokens=config.max_new_tokens,
+                                           context_rows=CONTEXT_ROWS if config.head_kind == "attention" else 0)
     else:
         for data, answers, held_out in splits:
             # A run that trains on the first N shards needs only their answers read.
             shards_from_answers(model_dir, answers_dir_for(data, answers), data,
-                                max_files=None if held_out else config.max_train_shards)
+                                max_files=None if held_out else config.max_train_shards,
+                                context_rows=CONTEXT_ROWS if config.head_kind == "attention" else 0)
     train_shards = list_shards(config.train_data)
     held_shards = list_shards(config.held_out_data) if config.held_out_data else []
     if not train_shards:
@@ -194,6 +205,18 @@ def ensure_data(config: TrainConfig, model_dir: Path) -> tuple[list[Path], list[
             "'sharegpt') or run python -m training.data"
         )
     return train_shards[: config.max_train_shards], held_shards
+
+
+def _require_context_rows(shards: list[Path], config: TrainConfig) -> None:
+    """An attention draft block learns to read the prompt: shards without its rows would
+    train it on answers alone, unlike what it sees when drafting."""
+    from training.examples import has_context_rows
+
+    if not has_context_rows(torch.load(shards[0], weights_only=True)):
+        raise TrainConfigError(
+            f"train_data={config.train_data!r}: {shards[0].name} carries no prompt rows (context_hidden), which "
+            "head_kind='attention' trains on; rebuild the shards with `python -m training.data --context-rows 512` "
+            "into a new folder and point train_data there")
 
 
 def connect_ray(config: TrainConfig) -> None:
@@ -225,6 +248,10 @@ def initial_heads(config: TrainConfig, heads_base: Path):
 
     if config.init_from is None:
         base = load_target(str(heads_base), dtype="fp32")
+        if config.head_kind == "attention":
+            from vllm_mtpspec.heads_init import init_draft_block
+
+            return init_draft_block(base.model, heads_base, num_heads=config.num_heads, seed=config.seed)
         return init_heads(base.model, heads_base, num_heads=config.num_heads, tied=config.tied,
                           head_input=config.head_input, mlp_size=config.mlp_size, init_std=0.0, seed=config.seed)
     heads = load_heads(config.init_from)
@@ -269,7 +296,10 @@ def run_training(config: TrainConfig) -> dict:
     ray.data.DataContext.get_current().enable_progress_bars = False  # the training bar is the one to watch
     offsets = [torch.load(p, weights_only=True)["offsets"] for p in train_shards]
     num_rows = sum(int(o[-1]) for o in offsets)
-    if config.mode == "cotrain":  # items are answers; the student reads each in full
+    if config.head_kind == "attention":
+        _require_context_rows(train_shards, config)
+    if config.mode == "cotrain" or config.head_kind == "attention":
+        # Items are answers: the student, or the draft block, reads each in full.
         items = [{"path": str(p), "answer": j} for p, o in zip(train_shards, offsets) for j in range(len(o) - 1)]
         dataset = ray.data.from_items(items)
         num_items = len(items)

@@ -15,7 +15,8 @@ from safetensors.torch import save_file
 
 from vllm_mtpspec.config import ConfigError, HeadsConfig
 from vllm_mtpspec.draft_vocab import check_id_map
-from vllm_mtpspec.heads import MTPHeads
+from vllm_mtpspec.head_kinds import build_heads
+from vllm_mtpspec.heads import DraftModule
 from vllm_mtpspec.weights import EMBED, read_tensor
 
 CONFIG_FILE = "config.json"
@@ -29,7 +30,15 @@ class HeadsError(ValueError):
     """A heads directory that cannot serve: the message says which file and what to do."""
 
 
-def save_heads(heads: MTPHeads, out_dir: str | Path) -> Path:
+def require_parallel(heads: DraftModule, heads_dir, *, where: str) -> None:
+    """Refuses a head kind that `where` cannot run yet, at start-up, rather than drafting garbage."""
+    if heads.config.head_kind != "parallel":
+        raise HeadsError(f"{heads_dir}/config.json: head_kind={heads.config.head_kind!r}, and {where} runs "
+                         "head_kind='parallel' heads only so far; score these with `mtpspec eval-heads` or "
+                         "`mtpspec decode`, and serve parallel heads")
+
+
+def save_heads(heads: DraftModule, out_dir: str | Path) -> Path:
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     state = {name: t.detach().contiguous().cpu() for name, t in heads.state_dict().items()}
@@ -57,10 +66,11 @@ def read_heads_config(heads_dir: str | Path) -> HeadsConfig:
     try:
         return HeadsConfig.from_dict(raw, source=str(config_path))
     except ConfigError as err:
-        raise HeadsError(str(err)) from None
+        message = str(err)  # every refusal names the file it came from
+        raise HeadsError(message if message.startswith(str(config_path)) else f"{config_path}: {message}") from None
 
 
-def load_heads(heads_dir: str | Path, *, device: str | torch.device = "cpu", dtype: torch.dtype | None = None) -> MTPHeads:
+def load_heads(heads_dir: str | Path, *, device: str | torch.device = "cpu", dtype: torch.dtype | None = None) -> DraftModule:
     """Loads heads (FP or INT2; INT2 stays packed) and checks every tensor against config.json."""
     path = Path(heads_dir)
     config = read_heads_config(path)
@@ -74,14 +84,14 @@ def load_heads(heads_dir: str | Path, *, device: str | torch.device = "cpu", dty
         raise HeadsError(
             f"{weights_path} is corrupt or truncated ({err}); re-export the heads or fetch the file again"
         ) from None
-    heads = MTPHeads(config)
+    heads = build_heads(config)
     expected = heads.state_dict()
     missing = sorted(set(expected) - set(state))
     unexpected = sorted(set(state) - set(expected))
     if missing or unexpected:
         raise HeadsError(
             f"{weights_path} does not match {path / CONFIG_FILE}: missing tensors {missing}, "
-            f"unexpected tensors {unexpected} (num_heads, tied, mlp_size or quantization disagree)"
+            f"unexpected tensors {unexpected} (head_kind, num_heads, tied, mlp_size or quantization disagree)"
         )
     for name, tensor in state.items():
         if tuple(tensor.shape) != tuple(expected[name].shape):
@@ -106,9 +116,11 @@ def load_heads(heads_dir: str | Path, *, device: str | torch.device = "cpu", dty
 def stored_dtype(heads_dir: str | Path) -> torch.dtype | None:
     """The dtype the heads' floating-point weights are stored in (None: INT2 codes)."""
     with safe_open(str(Path(heads_dir) / WEIGHTS_FILE), framework="pt") as f:
-        if "block.weight" not in f.keys():
-            return None
-        return f.get_slice("block.weight")[:1].dtype
+        # The first matrix of each head kind: parallel heads' block, the draft block's fusion.
+        for name in ("block.weight", "fuse.weight"):
+            if name in f.keys():
+                return f.get_slice(name)[:1].dtype
+        return None
 
 
 def model_fingerprint(model_dir: str | Path) -> str:

@@ -7,7 +7,7 @@ import logging
 import sys
 from pathlib import Path
 
-from vllm_mtpspec.config import TREE_PRESETS, HEAD_INPUTS
+from vllm_mtpspec.config import HEAD_INPUTS, HEAD_KINDS, TREE_PRESETS
 
 logger = logging.getLogger("mtpspec")
 
@@ -53,8 +53,15 @@ def cmd_heads_init(args) -> int:
     from vllm_mtpspec.target import load_target
 
     target = load_target(args.model, dtype="fp32")
-    heads = init_heads(target.model, target.model_dir, num_heads=args.num_heads, tied=args.tied,
-                       head_input=args.head_input, mlp_size=args.mlp_size, init_std=args.init_std, seed=args.seed)
+    if args.kind == "attention":
+        from vllm_mtpspec.heads_init import init_draft_block
+
+        if not args.tied:
+            raise SystemExit("--kind attention projects through the model's LM head: drop --untied")
+        heads = init_draft_block(target.model, target.model_dir, num_heads=args.num_heads, seed=args.seed)
+    else:
+        heads = init_heads(target.model, target.model_dir, num_heads=args.num_heads, tied=args.tied,
+                           head_input=args.head_input, mlp_size=args.mlp_size, init_std=args.init_std, seed=args.seed)
     out = save_heads(heads, args.out)
     print(out)
     return 0
@@ -67,10 +74,9 @@ def heads_summary(heads_dir: str | Path) -> dict:
     config = heads.config
     weights = [t for name, t in heads.state_dict().items() if not name.endswith("bias") and name != "draft_token_ids"]
     quantized_bits = sum(t.numel() * t.element_size() * 8 for t in weights)
-    num_weights = sum(
-        linear.in_features * linear.out_features
-        for linear in [heads.block, *(heads.down or []), *(heads.proj or [])]
-    )
+    # Every matrix (full-precision or packed), and the norms' weights of a draft block.
+    num_weights = sum(m.in_features * m.out_features for m in heads.modules() if hasattr(m, "in_features"))
+    num_weights += sum(t.numel() for name, t in heads.state_dict().items() if name.endswith("norm.weight"))
     in_memory = heads.nbytes()
     base = config.base_model_num_params
     return {
@@ -79,8 +85,9 @@ def heads_summary(heads_dir: str | Path) -> dict:
         "hidden_size": config.hidden_size,
         "vocab_size": config.vocab_size,
         "tied": config.tied,
-        "head_input": config.head_input,
-        "mlp_size": config.mlp_size,
+        "head_kind": config.head_kind,
+        **({"block": vars(config.block)} if config.block else {"head_input": config.head_input,
+                                                                "mlp_size": config.mlp_size}),
         "draft_vocab_size": config.draft_vocab_size or config.vocab_size,
         "quantization": None if config.quantization is None else vars(config.quantization),
         "temperatures": config.temperatures,
@@ -106,7 +113,7 @@ def cmd_heads_info(args) -> int:
 
 
 def cmd_heads_quantize(args) -> int:
-    from vllm_mtpspec.checkpoint import load_heads, save_heads
+    from vllm_mtpspec.checkpoint import load_heads, require_parallel, save_heads
 
     from vllm_mtpspec.heads_quant import quantize_heads
     from vllm_mtpspec.quant import QuantError
@@ -119,6 +126,7 @@ def cmd_heads_quantize(args) -> int:
     if args.method == "rtn" and args.calibration:
         raise QuantError("--calibration is only read by --method search or gptq; round-to-nearest (rtn) needs none")
     heads = load_heads(args.dir)
+    require_parallel(heads, args.dir, where="`mtpspec heads quantize`")
     statistics, described = None, None
     if args.method != "rtn":
         from vllm_mtpspec.calibration_data import heads_statistics_from_shards
@@ -183,12 +191,12 @@ def decode_prompts(target, heads, prompts, *, options, max_new_tokens: int, temp
                    seed: int, check_lossless: bool, progress: bool = True):
     from tqdm import tqdm
 
-    from vllm_mtpspec.drafter import HeadsDrafter
+    from vllm_mtpspec.drafter import drafter_for
     from vllm_mtpspec.prompts import apply_chat_template
     from vllm_mtpspec.reference import ReferenceDecoder, plain_greedy
 
     depth = options.depth_for(heads.config, source="--num-heads")
-    decoder = ReferenceDecoder(target.model, HeadsDrafter(heads, target.model), options, depth=depth,
+    decoder = ReferenceDecoder(target.model, drafter_for(heads, target.model), options, depth=depth,
                                rank_accuracy=heads.config.rank_accuracy)
     rows = []
     for prompt in tqdm(prompts, desc=f"decoding ({options.tree} tree)", disable=not progress):
@@ -286,11 +294,15 @@ def cmd_eval_heads(args) -> int:
 
     from training.data import generate_self_distillation, list_shards
     from training.evaluate import evaluate_heads
+    from training.examples import CONTEXT_ROWS
+    from vllm_mtpspec.checkpoint import read_heads_config
     from vllm_mtpspec.models import cache_root, resolve_model
     from vllm_mtpspec.target import load_heads_for, load_target
     from vllm_mtpspec.weights import embedding_and_lm_head
 
     model_dir = resolve_model(args.model, dtype="fp32")
+    # A draft block reads the context: its shards carry the prompt rows too.
+    context_rows = CONTEXT_ROWS if read_heads_config(args.heads).head_kind == "attention" else 0
     source = Path(args.prompts)
     if source.is_dir():  # self-distillation shards already made
         shards = list_shards(source)
@@ -298,9 +310,11 @@ def cmd_eval_heads(args) -> int:
         from vllm_mtpspec.prompts import load_prompts_jsonl
 
         prompts = load_prompts_jsonl(source, limit=args.limit)
-        key = hashlib.sha1(f"{model_dir}|{source.resolve()}|{source.stat().st_mtime}|{args.max_new_tokens}|{args.limit}".encode()).hexdigest()[:12]
+        key = hashlib.sha1(f"{model_dir}|{source.resolve()}|{source.stat().st_mtime}|{args.max_new_tokens}|{args.limit}"
+                           f"{f'|context={context_rows}' if context_rows else ''}".encode()).hexdigest()[:12]
         data_dir = cache_root() / "eval-data" / key
-        generate_self_distillation(model_dir, prompts, data_dir, max_new_tokens=args.max_new_tokens)
+        generate_self_distillation(model_dir, prompts, data_dir, max_new_tokens=args.max_new_tokens,
+                                   context_rows=context_rows)
         shards = list_shards(data_dir)
     target = load_target(str(model_dir), dtype="fp32")
     heads = load_heads_for(target, args.heads)
@@ -311,11 +325,14 @@ def cmd_eval_heads(args) -> int:
         print(json.dumps(report, indent=2))
         return 0
     print(f"{report['rows']} positions along the model's own greedy answers")
-    print("head  top-1   top-5")
-    for i, (t1, t5) in enumerate(zip(report["top1"], report["top5"])):
-        print(f"{i + 1:4d}  {t1:.3f}   {t5:.3f}")
+    print("head  top-1   top-5   top-1 when the heads before it were right")
+    for i, (t1, t5, c1) in enumerate(zip(report["top1"], report["top5"], report["conditional_top1"])):
+        print(f"{i + 1:4d}  {t1:.3f}   {t5:.3f}   {c1:.3f}")
     for tree, value in report["mean_accepted_len"].items():
-        print(f"mean accepted length, {tree} tree ({report['tree_nodes'][tree]} nodes): {value:.3f}")
+        if tree in report["tree_nodes"]:
+            print(f"mean accepted length, {tree} tree ({report['tree_nodes'][tree]} nodes): {value:.3f}")
+        else:  # chain+lookup: the chain, replaced by prompt lookup's draft wherever one is found
+            print(f"mean accepted length, {tree} (prompt lookup's draft where found, else the chain): {value:.3f}")
     for cat, stats in report["per_category"].items():
         print(f"  [{cat}] rows {stats['rows']}: top-1 {stats['top1']}, accepted {stats['mean_accepted_len']}")
     for bucket, stats in report["per_context_length"].items():
@@ -349,6 +366,11 @@ def build_parser() -> argparse.ArgumentParser:
                                      "and, for untied heads, projections copied from the model's LM head.")
     p.add_argument("--model", required=True, help="a known model name or a Hugging Face folder")
     p.add_argument("--num-heads", type=int, default=4, help="k: how many tokens ahead the heads guess (default 4)")
+    p.add_argument("--kind", choices=HEAD_KINDS, default="parallel",
+                   help="'parallel': one MLP head per depth on h_t (and the sampled token); 'attention': one "
+                        "transformer block shaped like the model's layers that attends over the context and is "
+                        "applied again for each deeper draft (--head-input, --mlp-size and --init-std are the "
+                        "parallel heads' own)")
     tied = p.add_mutually_exclusive_group()
     tied.add_argument("--tied", dest="tied", action="store_true", default=True, help="share the model's LM head (default; no vocab matrix)")
     tied.add_argument("--untied", dest="tied", action="store_false", help="one d x |V| projection per head (Medusa)")
@@ -483,6 +505,7 @@ def main(argv: list[str] | None = None) -> int:
     from vllm_mtpspec.quant import QuantError
     from training.answers import AnswersError
     from training.config import TrainConfigError
+    from training.examples import ShardsError
 
     try:
         if getattr(args, "passthrough", False):
@@ -490,7 +513,8 @@ def main(argv: list[str] | None = None) -> int:
                 args.heads = None
             return args.func(args, rest)
         return args.func(args)
-    except (AnswersError, HeadsError, ConfigError, ModelError, PromptsError, QuantError, TrainConfigError) as err:
+    except (AnswersError, HeadsError, ConfigError, ModelError, PromptsError, QuantError, ShardsError,
+            TrainConfigError) as err:
         print(f"mtpspec: error: {err}", file=sys.stderr)
         return 2
 

@@ -13,6 +13,10 @@ from typing import Any
 FORMAT_VERSION = 1
 
 HEAD_INPUTS = ("hidden", "hidden+token")
+# "parallel": every depth is an MLP on h_t and x_{t+1} (heads.py). "attention": one
+# transformer block with causal attention over the context's features, applied
+# recursively on its own output for deeper drafts (draft_block.py).
+HEAD_KINDS = ("parallel", "attention")
 TREE_PRESETS = ("chain", "consensus", "static", "dynamic")
 DRAFT_SIZES = ("fixed", "learned", "planned")
 
@@ -52,11 +56,38 @@ class QuantConfig:
 
 
 @dataclass(kw_only=True)
+class BlockConfig:
+    """The shape of an attention draft block: a Llama decoder layer (grouped-query
+    attention with RoPE, SwiGLU MLP). Defaults come from the target's own layers."""
+    attention_heads: int
+    kv_heads: int
+    head_dim: int
+    mlp_size: int
+    rope_theta: float = 10000.0
+    rms_norm_eps: float = 1e-5
+    # The most cached context entries the block attends to (a sliding window): training
+    # saw the last 512 prompt rows plus an answer of up to 256.
+    window: int = 1024
+
+    def __post_init__(self) -> None:
+        for name in ("attention_heads", "kv_heads", "head_dim", "mlp_size", "window"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"block.{name}={getattr(self, name)}: must be >= 1")
+        if self.attention_heads % self.kv_heads:
+            raise ConfigError(f"block.attention_heads={self.attention_heads} is not a multiple of "
+                              f"block.kv_heads={self.kv_heads}: each key/value head serves a whole group of queries")
+        if self.head_dim % 2:
+            raise ConfigError(f"block.head_dim={self.head_dim}: RoPE rotates pairs, so it must be even")
+
+
+@dataclass(kw_only=True)
 class HeadsConfig:
-    num_heads: int
+    num_heads: int                        # draft depths (an attention block: depths trained)
     hidden_size: int
     vocab_size: int
     tied: bool = True
+    head_kind: str = "parallel"           # one of HEAD_KINDS
+    block: BlockConfig | None = None      # head_kind="attention": the block's shape
     # "hidden": head i sees h_t alone (Medusa). "hidden+token": head i also sees the input
     # embedding of x_{t+1}, the token just sampled from h_t (DeepSeek-V3 MTP, FastMTP).
     head_input: str = "hidden"
@@ -82,6 +113,17 @@ class HeadsConfig:
     def __post_init__(self) -> None:
         if self.num_heads < 1:
             raise ConfigError(f"num_heads={self.num_heads}: need at least one head")
+        if self.head_kind not in HEAD_KINDS:
+            raise ConfigError(f"head_kind={self.head_kind!r}: choose one of {HEAD_KINDS}")
+        if isinstance(self.block, dict):
+            reject_unknown_keys(BlockConfig, self.block, source="block")
+            self.block = BlockConfig(**self.block)
+        if (self.head_kind == "attention") != (self.block is not None):
+            raise ConfigError(f"head_kind={self.head_kind!r} with block={'set' if self.block else 'unset'}: an "
+                              "attention draft block needs its 'block' shape, and only it has one")
+        if self.head_kind == "attention" and not self.tied:
+            raise ConfigError("head_kind='attention' with tied=false: the draft block projects through the "
+                              "target's LM head; set tied=true")
         if self.head_input not in HEAD_INPUTS:
             raise ConfigError(f"head_input={self.head_input!r}: choose one of {HEAD_INPUTS}")
         if self.mlp_size < 0:

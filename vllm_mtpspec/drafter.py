@@ -1,7 +1,9 @@
 """Drafters: what turns the target's last hidden state into per-head candidate logits.
 
 The reference decoder (and anything else that drafts outside vLLM) talks to a drafter
-through one call, so tests can plug in an oracle that knows the target's future.
+through one call, so tests can plug in an oracle that knows the target's future. A
+drafter that reads the context (an attention draft block) also has `start` (a new
+sequence) and `observe` (the states of accepted positions and the tokens they produced).
 """
 from __future__ import annotations
 
@@ -9,7 +11,7 @@ from typing import Protocol
 
 import torch
 
-from vllm_mtpspec.heads import MTPHeads
+from vllm_mtpspec.heads import DraftModule, MTPHeads
 
 
 class Drafter(Protocol):
@@ -35,3 +37,51 @@ class HeadsDrafter:
     def head_logits(self, hidden: torch.Tensor, root_tokens: torch.Tensor) -> torch.Tensor:
         embeds = self._embed(root_tokens) if self.heads.config.token_conditioned else None
         return self.heads.target_vocab_logits(self.heads(hidden, token_embeds=embeds, lm_head=self._lm_head))
+
+
+class BlockDrafter:
+    """An attention draft block over a Hugging Face causal LM, one sequence at a time: its
+    cache holds the entries of accepted positions; each draft runs the block depth by
+    depth along its own top-1 chain (deeper logits are those of that chain)."""
+
+    def __init__(self, block, model) -> None:
+        self.block = block
+        self.num_heads = block.num_heads
+        self.temperatures = block.temperatures
+        self._embed = model.get_input_embeddings()
+        self._project = block.lm_head_for(model.get_output_embeddings().weight.detach())
+        self.cache = None
+
+    def start(self) -> None:
+        weight = self.block.fuse.weight
+        self.cache = self.block.empty_cache(device=weight.device, dtype=weight.dtype)
+
+    @torch.no_grad()
+    def observe(self, states: torch.Tensor, tokens: torch.Tensor) -> None:
+        """states [n, d] of accepted positions and the tokens [n] each produced."""
+        if tokens.numel():
+            self.block.extend(self.cache, states, self._embed(tokens))
+
+    @torch.no_grad()
+    def head_logits(self, hidden: torch.Tensor, root_tokens: torch.Tensor) -> torch.Tensor:
+        if hidden.shape[0] != 1:
+            raise ValueError(f"BlockDrafter drafts for one sequence at a time, got a batch of {hidden.shape[0]}")
+        g = self.block.extend(self.cache, hidden, self._embed(root_tokens))[-1]
+        logits, chain = [], []
+        for depth in range(self.num_heads):
+            logits.append(self._project(g[None])[0])
+            if depth + 1 == self.num_heads:
+                break
+            token = logits[-1].argmax()
+            if self.block.draft_vocab is not None:
+                token = self.block.draft_vocab[token]
+            g, entry = self.block.draft_step(self.cache, chain, g, self._embed(token))
+            chain.append(entry)
+        return self.block.target_vocab_logits(torch.stack(logits)[None])
+
+
+def drafter_for(heads: DraftModule, model) -> "HeadsDrafter | BlockDrafter":
+    """The drafter for a head kind."""
+    if heads.config.head_kind == "attention":
+        return BlockDrafter(heads, model)
+    return HeadsDrafter(heads, model)

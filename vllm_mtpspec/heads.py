@@ -38,10 +38,56 @@ from vllm_mtpspec.quant import Int2Linear, empty_int2_linear
 LMHead = Callable[[torch.Tensor], torch.Tensor]  # [n, d] -> [n, V]
 
 
-class MTPHeads(nn.Module):
+class DraftModule(nn.Module):
+    """What every head kind shares: its config, per-depth temperatures and the optional
+    draft vocabulary (the target ids of the N tokens it drafts among)."""
+
     def __init__(self, config: HeadsConfig) -> None:
         super().__init__()
         self.config = config
+        self.register_buffer("temperatures", torch.tensor(config.temperatures, dtype=torch.float32), persistent=False)
+        if config.draft_vocab_size:
+            self.register_buffer("draft_token_ids", torch.zeros(config.draft_vocab_size, dtype=torch.int64))
+
+    @property
+    def num_heads(self) -> int:
+        return self.config.num_heads
+
+    @property
+    def draft_vocab(self) -> torch.Tensor | None:
+        """The target ids of the draft vocabulary's entries (None: the whole vocabulary)."""
+        return getattr(self, "draft_token_ids", None)
+
+    def lm_head_for(self, lm_head_weight: torch.Tensor) -> LMHead:
+        """The projection tied heads use, from the target's [V, d] LM-head weight: all of
+        it, or the draft vocabulary's rows."""
+        if self.draft_vocab is None:
+            return lambda x: x @ lm_head_weight.T
+        return SlicedLMHead(lm_head_weight, self.draft_vocab)
+
+    def target_vocab_logits(self, logits: torch.Tensor) -> torch.Tensor:
+        """[..., k, N] logits over the heads' vocabulary -> [..., k, V] over the target's."""
+        return to_target_vocab(logits, self.draft_vocab, self.config.vocab_size)
+
+    def with_draft_vocab(self, draft_token_ids: torch.Tensor) -> "DraftModule":
+        """A copy of these (tied) heads that drafts among draft_token_ids only."""
+        config = HeadsConfig.from_dict({**self.config.to_dict(), "draft_vocab_size": len(draft_token_ids)})
+        out = type(self)(config)
+        state = {k: v for k, v in self.state_dict().items() if k != "draft_token_ids"}
+        # assign: the copy keeps these heads' tensors and their dtypes (fp16 storage, INT2 codes).
+        out.load_state_dict({**state, "draft_token_ids": draft_token_ids.to(torch.int64)}, assign=True)
+        return out.train(self.training)
+
+    def num_parameters(self) -> int:
+        return sum(t.numel() for t in self.state_dict().values())
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.state_dict().values())
+
+
+class MTPHeads(DraftModule):
+    def __init__(self, config: HeadsConfig) -> None:
+        super().__init__(config)
         k, d, vocab = config.num_heads, config.hidden_size, config.vocab_size
         in_dim = 2 * d if config.token_conditioned else d
         width = config.mlp_size or d
@@ -66,43 +112,11 @@ class MTPHeads(nn.Module):
         self.proj: nn.ModuleList | None = None
         if not config.tied:
             self.proj = nn.ModuleList(linear(d, vocab, bias=False) for _ in range(k))
-        self.register_buffer("temperatures", torch.tensor(config.temperatures, dtype=torch.float32), persistent=False)
-        if config.draft_vocab_size:
-            self.register_buffer("draft_token_ids", torch.zeros(config.draft_vocab_size, dtype=torch.int64))
-
-    @property
-    def draft_vocab(self) -> torch.Tensor | None:
-        """The target ids of the draft vocabulary's entries (None: the whole vocabulary)."""
-        return getattr(self, "draft_token_ids", None)
-
-    def lm_head_for(self, lm_head_weight: torch.Tensor) -> LMHead:
-        """The projection tied heads use, from the target's [V, d] LM-head weight: all of
-        it, or the draft vocabulary's rows."""
-        if self.draft_vocab is None:
-            return lambda x: x @ lm_head_weight.T
-        return SlicedLMHead(lm_head_weight, self.draft_vocab)
-
-    def target_vocab_logits(self, logits: torch.Tensor) -> torch.Tensor:
-        """[..., k, N] logits over the heads' vocabulary -> [..., k, V] over the target's."""
-        return to_target_vocab(logits, self.draft_vocab, self.config.vocab_size)
-
-    def with_draft_vocab(self, draft_token_ids: torch.Tensor) -> "MTPHeads":
-        """A copy of these (tied) heads that drafts among draft_token_ids only."""
-        config = HeadsConfig.from_dict({**self.config.to_dict(), "draft_vocab_size": len(draft_token_ids)})
-        out = MTPHeads(config)
-        state = {k: v for k, v in self.state_dict().items() if k != "draft_token_ids"}
-        # assign: the copy keeps these heads' tensors and their dtypes (fp16 storage, INT2 codes).
-        out.load_state_dict({**state, "draft_token_ids": draft_token_ids.to(torch.int64)}, assign=True)
-        return out.train(self.training)
 
     def last_layers(self) -> list[nn.Module]:
         """The matrices whose output is each head's change to h: zero makes the head the
         LM head (the block without a hidden layer, the down-projections with one)."""
         return [self.block] if self.down is None else list(self.down)
-
-    @property
-    def num_heads(self) -> int:
-        return self.config.num_heads
 
     @property
     def is_quantized(self) -> bool:
@@ -163,12 +177,6 @@ class MTPHeads(nn.Module):
         if self.is_quantized:
             return self.block.bias.dtype
         return self.block.weight.dtype
-
-    def num_parameters(self) -> int:
-        return sum(t.numel() for t in self.state_dict().values())
-
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.state_dict().values())
 
     def quantized(self, *, group_size: int = 64, int2=None, method: str = "rtn",
                   calibration: str | None = None) -> "MTPHeads":

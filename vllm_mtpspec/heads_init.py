@@ -64,3 +64,30 @@ def init_heads(
                 last.weight.normal_(0.0, init_std, generator=generator)
     heads.init_projections_from(model.get_output_embeddings().weight.detach().float())
     return heads
+
+
+def init_draft_block(model, model_dir: str | Path, *, num_heads: int, window: int = 1024, seed: int = 0):
+    """A fresh attention draft block shaped like one of the model's decoder layers, its
+    output norm starting as the model's final norm (so its output is on h's scale)."""
+    from vllm_mtpspec.draft_block import DraftBlock, block_config_for
+
+    cfg = model.config
+    config = HeadsConfig(
+        num_heads=num_heads,
+        hidden_size=cfg.hidden_size,
+        vocab_size=cfg.vocab_size,
+        head_kind="attention",
+        head_input="hidden+token",
+        block=block_config_for(cfg, window=window),
+        base_model_fingerprint=model_fingerprint(model_dir),
+        base_model_name=model_display_name(model_dir),
+        base_model_num_params=sum(p.numel() for p in model.parameters()),
+    )
+    with torch.random.fork_rng():
+        torch.manual_seed(seed)
+        block = DraftBlock(config)
+    norm = getattr(getattr(model, "model", model), "norm", None)
+    if norm is not None:
+        with torch.no_grad():
+            block.output_norm.weight.copy_(norm.weight.detach().float())
+    return block

@@ -114,6 +114,10 @@ class ReferenceDecoder:
         context_len = len(prompt_ids)
         root = self._pick(logits[-1], temperature, generator)
         root_hidden = hidden[-1]
+        observe = getattr(self.drafter, "observe", None)  # drafters that read the context
+        if observe is not None:
+            self.drafter.start()
+            observe(hidden[:-1], prompt[1:])  # prompt position p produced prompt token p + 1
         result = DecodeResult([root], head_hits=[0] * self.depth, head_tries=[0] * self.depth)
         dtype = hidden.dtype
         while len(result.tokens) < max_new_tokens and root not in eos_token_ids:
@@ -136,6 +140,8 @@ class ReferenceDecoder:
             context_len += len(keep_rows)
             root_hidden = hidden[keep_rows[-1]]
             emitted = verdict.emitted
+            if observe is not None:  # the kept rows but the new root, which the next draft reads
+                observe(hidden[keep_rows[:-1]], torch.tensor(emitted[:-1], dtype=torch.long, device=device))
             result.steps.append(StepRecord(n, len(emitted)))
             for d in range(min(shape.max_depth, self.depth)):
                 result.head_tries[d] += 1

@@ -104,7 +104,7 @@ def _heads_tag(heads_dir: str, *, several: bool) -> str:
 def _int2_heads(heads_dir: str, work_dir: Path) -> Path:
     """The shipped INT2 form of shipped heads (GPTQ); for other heads, round-to-nearest
     (the calibrated methods need training shards: `mtpspec heads quantize --method gptq`)."""
-    from vllm_mtpspec.checkpoint import load_heads, save_heads
+    from vllm_mtpspec.checkpoint import load_heads, require_parallel, save_heads
     from vllm_mtpspec.cli import shipped_int2_heads_dir
 
     shipped = shipped_int2_heads_dir(heads_dir)
@@ -112,7 +112,9 @@ def _int2_heads(heads_dir: str, work_dir: Path) -> Path:
         return shipped
     out = int2_copy_path(heads_dir, work_dir)
     if not (out / "config.json").is_file():
-        save_heads(load_heads(heads_dir).quantized(group_size=64), out)
+        heads = load_heads(heads_dir)
+        require_parallel(heads, heads_dir, where="the bench's INT2 rows")
+        save_heads(heads.quantized(group_size=64), out)
     return out
 
 

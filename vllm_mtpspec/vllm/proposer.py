@@ -34,7 +34,7 @@ from functools import cached_property
 import torch
 
 from vllm_mtpspec.adaptive import DraftSizeController
-from vllm_mtpspec.checkpoint import load_heads
+from vllm_mtpspec.checkpoint import load_heads, require_parallel
 from vllm_mtpspec.draft_planner import Candidate, DraftPlanner
 from vllm_mtpspec.lookup import lookup_draft
 from vllm_mtpspec.tree import DraftTreeBuilder, TreeShape, chain_tree
@@ -120,6 +120,7 @@ class MTPSpecProposer:
 
     def load_model(self, target_model) -> None:
         self.heads = load_heads(self.options.heads, device=self.device, dtype=self.dtype)
+        require_parallel(self.heads, self.options.heads, where="vLLM's mtpspec proposer")
         self._temperatures = self.heads.temperatures.to(self.device)
         # Through the target's modules, never its weights: on the CPU they are repacked.
         self._lm_head = target_model.compute_logits

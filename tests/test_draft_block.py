@@ -1,0 +1,202 @@
+"""The attention draft block: what training computes for every position at once is what
+drafting computes one request at a time, from its cache of accepted entries."""
+import pytest
+import torch
+
+from vllm_mtpspec.checkpoint import HeadsError, load_heads, save_heads
+from vllm_mtpspec.config import BlockConfig, ConfigError, HeadsConfig
+from vllm_mtpspec.draft_block import DraftBlock, rope
+
+D, VOCAB = 32, 50
+
+
+def make_block(*, window: int = 1024, num_heads: int = 3, seed: int = 0) -> DraftBlock:
+    config = HeadsConfig(num_heads=num_heads, hidden_size=D, vocab_size=VOCAB, head_kind="attention",
+                         head_input="hidden+token",
+                         block=BlockConfig(attention_heads=4, kv_heads=2, head_dim=8, mlp_size=64, window=window))
+    torch.manual_seed(seed)
+    block = DraftBlock(config).double().eval()
+    with torch.no_grad():  # non-trivial norms, so a wrong one shows
+        for module in block.modules():
+            if hasattr(module, "eps"):
+                module.weight.uniform_(0.5, 1.5)
+    return block
+
+
+def random_sequence(t: int, seed: int = 1):
+    generator = torch.Generator().manual_seed(seed)
+    features = torch.randn(t, D, generator=generator, dtype=torch.float64)
+    embed = torch.randn(VOCAB, D, generator=generator, dtype=torch.float64)
+    tokens = torch.randint(0, VOCAB, (t + 4,), generator=generator)
+    return features, embed, tokens
+
+
+def unrolled_all(block, features, embed, tokens, depth, start_position=0):
+    t = features.shape[0]
+    embeds = [embed[tokens[i:i + t]][None] for i in range(depth)]
+    positions = torch.arange(start_position, start_position + t)[None]
+    return block.unrolled(features[None], embeds, positions, torch.ones(1, t, dtype=torch.bool))
+
+
+def drafted_chain(block, cache, g, embed, tokens_after, depth):
+    """g^1 (from extend) then depths 2..depth by draft_step, the chain's tokens given."""
+    out, chain = [g], []
+    for j in range(2, depth + 1):
+        g, kv = block.draft_step(cache, chain, g, embed[tokens_after[j - 2]])
+        chain.append(kv)
+        out.append(g)
+    return out
+
+
+@torch.no_grad()
+def test_drafting_from_the_cache_matches_the_unrolled_training_pass_at_every_position():
+    block = make_block()
+    t, depth = 10, 3
+    features, embed, tokens = random_sequence(t)
+    expected = unrolled_all(block, features, embed, tokens, depth)
+    for p in range(t):
+        cache = block.empty_cache(dtype=torch.float64)
+        g = block.extend(cache, features[:p + 1], embed[tokens[:p + 1]])[-1]
+        # depth j reads the token drafted at depth j - 1: along a right chain, s_{p+j}.
+        got = drafted_chain(block, cache, g, embed, tokens[p + 1:], depth)
+        for j in range(depth):
+            torch.testing.assert_close(got[j], expected[j][0, p])
+        assert cache.length == p + 1  # drafting left no entries behind
+
+
+@torch.no_grad()
+def test_extending_in_pieces_is_extending_at_once():
+    block = make_block()
+    features, embed, tokens = random_sequence(9)
+    whole = block.extend(block.empty_cache(dtype=torch.float64), features, embed[tokens[:9]])
+    cache = block.empty_cache(dtype=torch.float64)
+    parts = [block.extend(cache, features[a:b], embed[tokens[a:b]]) for a, b in ((0, 4), (4, 5), (5, 9))]
+    torch.testing.assert_close(torch.cat(parts), whole)
+
+
+@torch.no_grad()
+def test_the_window_keeps_the_last_entries_only():
+    window = 4
+    block = make_block(window=window)
+    features, embed, tokens = random_sequence(11)
+    cache = block.empty_cache(dtype=torch.float64)
+    for p in range(11):
+        g = block.extend(cache, features[p:p + 1], embed[tokens[p:p + 1]])[-1]
+    assert cache.keys.shape[1] == window and cache.length == 11
+    # RoPE scores depend on distances only: the last `window` entries alone, anywhere, give the same.
+    alone = unrolled_all(block, features[-window:], embed, tokens[11 - window:], 1, start_position=3)
+    torch.testing.assert_close(g, alone[0][0, -1])
+    # A deeper draft sees the window too: its own entry plus the newest window - 1.
+    g2, _ = block.draft_step(cache, [], g, embed[tokens[11]])
+    newest = block.empty_cache(dtype=torch.float64)
+    block.extend(newest, features[-(window - 1):], embed[tokens[11 - (window - 1):11]])
+    torch.testing.assert_close(g2, block.draft_step(newest, [], g, embed[tokens[11]])[0])
+
+
+def test_padding_does_not_reach_real_positions():
+    block = make_block()
+    features, embed, tokens = random_sequence(6)
+    short = unrolled_all(block, features[:4], embed, tokens, 2)
+    padded_features = torch.cat([features[:4], torch.randn(2, D, dtype=torch.float64)])[None]
+    embeds = [embed[torch.cat([tokens[i:i + 4], torch.tensor([7, 9])])][None] for i in range(2)]
+    valid = torch.tensor([[True] * 4 + [False] * 2])
+    padded = block.unrolled(padded_features, embeds, torch.arange(6)[None], valid)
+    for j in range(2):
+        torch.testing.assert_close(padded[j][0, :4], short[j][0])
+
+
+def test_rope_rotates_by_distance():
+    q, k = torch.randn(1, 8, dtype=torch.float64), torch.randn(1, 8, dtype=torch.float64)
+    score = lambda a, b: (rope(q, torch.tensor([a]), 100.0) * rope(k, torch.tensor([b]), 100.0)).sum()  # noqa: E731
+    torch.testing.assert_close(score(5, 2), score(13, 10))
+    assert not torch.allclose(score(5, 2), score(5, 4))
+
+
+def test_a_draft_block_saves_loads_and_refuses_disagreeing_directories(tmp_path):
+    block = make_block().float()
+    save_heads(block, tmp_path / "block")
+    loaded = load_heads(tmp_path / "block")
+    assert isinstance(loaded, DraftBlock) and loaded.config.block == block.config.block
+    for name, tensor in block.state_dict().items():
+        torch.testing.assert_close(loaded.state_dict()[name], tensor)
+    # A config whose head kind disagrees with the weights is refused by file and field.
+    config_path = tmp_path / "block" / "config.json"
+    config_path.write_text(config_path.read_text().replace('"head_kind": "attention"', '"head_kind": "parallel"'))
+    with pytest.raises(HeadsError, match="config.json: head_kind='parallel' with block=set"):
+        load_heads(tmp_path / "block")
+
+
+def test_block_configs_are_checked():
+    with pytest.raises(ConfigError, match="head_kind='attention' with block=unset"):
+        HeadsConfig(num_heads=2, hidden_size=D, vocab_size=VOCAB, head_kind="attention")
+    with pytest.raises(ConfigError, match="head_kind='nested'"):
+        HeadsConfig(num_heads=2, hidden_size=D, vocab_size=VOCAB, head_kind="nested")
+    with pytest.raises(ConfigError, match="block.attention_heads=6 is not a multiple of block.kv_heads=4"):
+        BlockConfig(attention_heads=6, kv_heads=4, head_dim=8, mlp_size=8)
+    with pytest.raises(ConfigError, match=r"block: unknown field\(s\) \['heads'\]"):
+        HeadsConfig(num_heads=2, hidden_size=D, vocab_size=VOCAB, head_kind="attention",
+                    block={"attention_heads": 4, "kv_heads": 2, "head_dim": 8, "mlp_size": 8, "heads": 3})
+    with pytest.raises(ConfigError, match="tied=false"):
+        HeadsConfig(num_heads=2, hidden_size=D, vocab_size=VOCAB, head_kind="attention", tied=False,
+                    block=BlockConfig(attention_heads=4, kv_heads=2, head_dim=8, mlp_size=8))
+
+
+def test_a_draft_vocabulary_copy_keeps_the_block():
+    block = make_block().float()
+    ids = torch.tensor([3, 1, 7, 20])
+    small = block.with_draft_vocab(ids)
+    assert isinstance(small, DraftBlock) and torch.equal(small.draft_vocab, ids)
+    torch.testing.assert_close(small.fuse.weight, block.fuse.weight)
+
+
+def tiny_block_for(model, *, num_heads: int = 3, seed: int = 0) -> DraftBlock:
+    cfg = model.config
+    config = HeadsConfig(num_heads=num_heads, hidden_size=cfg.hidden_size, vocab_size=cfg.vocab_size,
+                         head_kind="attention", head_input="hidden+token",
+                         block=BlockConfig(attention_heads=4, kv_heads=2, head_dim=16, mlp_size=96))
+    torch.manual_seed(seed)
+    return DraftBlock(config).eval()
+
+
+@torch.no_grad()
+def test_reference_decoding_with_a_block_is_lossless_and_drafts_what_the_scorer_replays(smollm2_fp32):
+    """The scorer's replay (teacher forcing along the answer) and real decoding must read
+    the same cache at every step: any entry missed, doubled or left from a rejected draft
+    changes the depth-1 draft. A random block on the real SmolLM2 (a tiny random model
+    only repeats one token, where a shifted cache goes unseen)."""
+    from types import SimpleNamespace
+
+    from training.answers import shard_from_answers
+    from training.evaluate import block_answer_logits
+    from vllm_mtpspec.config import SpecOptions
+    from vllm_mtpspec.drafter import drafter_for
+    from vllm_mtpspec.prompts import apply_chat_template
+    from vllm_mtpspec.reference import ReferenceDecoder, plain_greedy
+
+    model, tokenizer = smollm2_fp32.model, smollm2_fp32.tokenizer
+    text = "Copy this list twice: apple, pear, plum, fig, lime, kiwi."
+    prompt = tokenizer.encode(apply_chat_template(tokenizer, text), add_special_tokens=False)
+    expected = plain_greedy(model, prompt, max_new_tokens=48, eos_token_ids=set())
+    block = tiny_block_for(model)
+    drafter = drafter_for(block, model)
+    first_drafts = []
+    draft = drafter.head_logits
+
+    def recording(hidden, root):
+        logits = draft(hidden, root)
+        first_drafts.append(logits[0, 0])
+        return logits
+    drafter.head_logits = recording
+    result = ReferenceDecoder(model, drafter, SpecOptions()).decode(prompt, max_new_tokens=48)
+    assert result.tokens == expected
+    assert any(step.accepted_len > 2 for step in result.steps)  # steps that kept several rows
+    shard = shard_from_answers(SimpleNamespace(model=model), ["a"], ["general"], [prompt], [expected],
+                               top_k=4, context_rows=512)
+    replay = torch.cat([logits for _, logits in block_answer_logits(
+        block, shard, 0, model.get_output_embeddings().weight, model.get_input_embeddings().weight)])
+    row = 0  # the answer row of each step's root
+    for step, logits in zip(result.steps, first_drafts):
+        # The shard keeps states in fp16: the same drafts, to that precision.
+        torch.testing.assert_close(logits, replay[row, 0], atol=0.05, rtol=0.02)
+        row += step.accepted_len
+    assert len(first_drafts) == len(result.steps) and drafter.cache.length == len(prompt) + row - 1

@@ -1,0 +1,226 @@
+"""An attention draft block: one transformer layer that sees the context (EAGLE,
+DeepSeek-V3's MTP module), applied recursively for deeper drafts.
+
+Notation: f_p is the target's final hidden state at position p, which produced token
+s_{p+1}. The block's input at p fuses the two, u_p = W [norm(f_p); norm(emb(s_{p+1}))],
+and one Llama decoder layer over u_0..u_p (causal attention, RoPE, SwiGLU) gives
+g_p ~ f_{p+1}, whose LM-head logits guess s_{p+2}: the depth-1 draft.
+
+Depth j > 1 feeds the block its own output and the token drafted from it:
+u^j_p = W [norm(g^{j-1}_p); norm(emb(s_{p+j}))] at position p + j - 1. Its query sees the
+context's entries u_0..u_p (all from the target's real states) and the entries of
+depths 2..j of the same chain, never a draft of another chain. Training applies exactly
+this mask to every position at once (`unrolled`, with the answer's own tokens as the
+drafts of a chain that is still right); drafting caches the context's keys and values
+per request (`BlockCache`): entries of accepted tokens only, so a rejected draft leaves
+nothing behind.
+
+The block's output goes through a final RMSNorm (initialised from the target's) so that
+g lives on the scale of f: the target's LM head reads it and the next depth takes it as
+a feature.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from vllm_mtpspec.config import BlockConfig, HeadsConfig
+from vllm_mtpspec.heads import DraftModule
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        return (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype) * self.weight.to(x.dtype)
+
+
+def rope(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
+    """x [..., T, hd] rotated by the angles of positions [..., T] (Llama's rotate-half form)."""
+    half = x.shape[-1] // 2
+    inv_freq = 1.0 / theta ** (torch.arange(0, half, device=x.device, dtype=torch.float32) / half)
+    angles = positions.to(torch.float32).unsqueeze(-1) * inv_freq                  # [..., T, hd/2]
+    cos, sin = torch.cos(angles).to(x.dtype), torch.sin(angles).to(x.dtype)
+    cos, sin = torch.cat([cos, cos], -1), torch.cat([sin, sin], -1)
+    x1, x2 = x[..., :half], x[..., half:]
+    return x * cos + torch.cat([-x2, x1], -1) * sin
+
+
+@dataclass
+class BlockCache:
+    """One request's context entries: keys and values [kv_heads, n, head_dim] at positions
+    start .. start + n - 1 (older ones fall out of the window)."""
+    keys: torch.Tensor
+    values: torch.Tensor
+    start: int = 0
+
+    @property
+    def length(self) -> int:
+        """The position the next entry takes."""
+        return self.start + self.keys.shape[1]
+
+
+class DraftBlock(DraftModule):
+    def __init__(self, config: HeadsConfig) -> None:
+        super().__init__(config)
+        block: BlockConfig = config.block
+        d, eps = config.hidden_size, block.rms_norm_eps
+        self.block_config = block
+        self.feature_norm = RMSNorm(d, eps)
+        self.token_norm = RMSNorm(d, eps)
+        self.fuse = nn.Linear(2 * d, d, bias=False)
+        self.attention_norm = RMSNorm(d, eps)
+        self.q_proj = nn.Linear(d, block.attention_heads * block.head_dim, bias=False)
+        self.k_proj = nn.Linear(d, block.kv_heads * block.head_dim, bias=False)
+        self.v_proj = nn.Linear(d, block.kv_heads * block.head_dim, bias=False)
+        self.o_proj = nn.Linear(block.attention_heads * block.head_dim, d, bias=False)
+        self.mlp_norm = RMSNorm(d, eps)
+        self.gate_proj = nn.Linear(d, block.mlp_size, bias=False)
+        self.up_proj = nn.Linear(d, block.mlp_size, bias=False)
+        self.down_proj = nn.Linear(block.mlp_size, d, bias=False)
+        self.output_norm = RMSNorm(d, eps)
+        for linear in (self.fuse, self.q_proj, self.k_proj, self.v_proj, self.o_proj, self.gate_proj,
+                       self.up_proj, self.down_proj):
+            nn.init.normal_(linear.weight, std=0.02)
+
+    is_quantized = False
+
+    def quantized(self, **_) -> "DraftBlock":
+        raise ValueError("head_kind='attention': INT2 quantization of an attention draft block is not built yet; "
+                         "ship it in fp16 (`mtpspec heads cast`)")
+
+    # ------------------------------------------------------------------ pieces
+    def fused_inputs(self, features: torch.Tensor, token_embeds: torch.Tensor) -> torch.Tensor:
+        """[..., d] features and [..., d] embeddings of the tokens they produced -> [..., d]."""
+        dtype = self.fuse.weight.dtype
+        return self.fuse(torch.cat([self.feature_norm(features.to(dtype)), self.token_norm(token_embeds.to(dtype))], -1))
+
+    def _qkv(self, x: torch.Tensor, positions: torch.Tensor):
+        """x [B, T, d] at positions [B, T] -> q [B, H, T, hd], k and v [B, KV, T, hd]."""
+        b, t, _ = x.shape
+        cfg = self.block_config
+        h = self.attention_norm(x)
+        q = self.q_proj(h).view(b, t, cfg.attention_heads, cfg.head_dim).transpose(1, 2)
+        k = self.k_proj(h).view(b, t, cfg.kv_heads, cfg.head_dim).transpose(1, 2)
+        v = self.v_proj(h).view(b, t, cfg.kv_heads, cfg.head_dim).transpose(1, 2)
+        pos = positions.unsqueeze(1)
+        return rope(q, pos, cfg.rope_theta), rope(k, pos, cfg.rope_theta), v
+
+    def _expand_kv(self, kv: torch.Tensor) -> torch.Tensor:
+        """[B, KV, ..., hd] -> [B, H, ..., hd]: each key/value head serves its query group."""
+        group = self.block_config.attention_heads // self.block_config.kv_heads
+        return kv if group == 1 else kv.repeat_interleave(group, dim=1)
+
+    def _finish(self, x: torch.Tensor, attended: torch.Tensor) -> torch.Tensor:
+        """The layer's residual stream after attention ([B, H, T, hd]) and the MLP -> g [B, T, d]."""
+        b, _, t, _ = attended.shape
+        x = x + self.o_proj(attended.transpose(1, 2).reshape(b, t, -1))
+        h = self.mlp_norm(x)
+        x = x + self.down_proj(F.silu(self.gate_proj(h)) * self.up_proj(h))
+        return self.output_norm(x)
+
+    # ------------------------------------------------------------------ training / replay
+    def unrolled(self, features: torch.Tensor, token_embeds: list[torch.Tensor], positions: torch.Tensor,
+                 valid: torch.Tensor) -> list[torch.Tensor]:
+        """Every position's chain at once, as drafting would run it with right drafts.
+
+        features [B, T, d]; token_embeds[j - 1] [B, T, d]: the embedding of s_{p+j} at p
+        (depth j's token); positions [B, T]; valid [B, T]: real entries (padding is False).
+        Returns g^1 .. g^k, each [B, T, d], g^j_p guessing s_{p+j+1}'s state."""
+        scale = 1.0 / math.sqrt(self.block_config.head_dim)
+        x = self.fused_inputs(features, token_embeds[0])
+        q, k, v = self._qkv(x, positions)
+        context_k, context_v = self._expand_kv(k), self._expand_kv(v)         # [B, H, T, hd]
+        t = features.shape[1]
+        causal = torch.ones(t, t, dtype=torch.bool, device=features.device).tril()
+        mask = (causal & valid[:, None, :])[:, None]                           # [B, 1, T, T]
+        scores = (q @ context_k.transpose(-1, -2) * scale).masked_fill(~mask, float("-inf"))
+        g = self._finish(x, torch.softmax(scores.float(), -1).to(q.dtype) @ context_v)
+        outputs = [g]
+        chain_k, chain_v = [], []   # the entries of depths 2.. of each position's own chain
+        for depth in range(2, len(token_embeds) + 1):
+            x = self.fused_inputs(g, token_embeds[depth - 1])
+            q, k, v = self._qkv(x, positions + depth - 1)
+            chain_k.append(self._expand_kv(k))
+            chain_v.append(self._expand_kv(v))
+            context_scores = (q @ context_k.transpose(-1, -2) * scale).masked_fill(~mask, float("-inf"))
+            own_scores = torch.stack([(q * ck).sum(-1) for ck in chain_k], -1) * scale  # [B, H, T, depth-1]
+            weights = torch.softmax(torch.cat([context_scores, own_scores], -1).float(), -1).to(q.dtype)
+            attended = weights[..., :t] @ context_v + (weights[..., t:, None] * torch.stack(chain_v, -2)).sum(-2)
+            g = self._finish(x, attended)
+            outputs.append(g)
+        return outputs
+
+    # ------------------------------------------------------------------ drafting
+    def empty_cache(self, device=None, dtype=None) -> BlockCache:
+        cfg = self.block_config
+        dtype = dtype or self.fuse.weight.dtype
+        empty = torch.zeros(cfg.kv_heads, 0, cfg.head_dim, device=device, dtype=dtype)
+        return BlockCache(keys=empty, values=empty.clone())
+
+    def extend(self, cache: BlockCache, features: torch.Tensor, token_embeds: torch.Tensor) -> torch.Tensor:
+        """Appends n accepted positions (features [n, d] and the embeddings of the tokens
+        they produced) to the cache; returns their outputs g [n, d] (the last one drafts)."""
+        n = features.shape[0]
+        positions = torch.arange(cache.length, cache.length + n, device=features.device)[None]
+        x = self.fused_inputs(features[None], token_embeds[None])
+        q, k, v = self._qkv(x, positions)
+        keys = torch.cat([cache.keys, k[0]], 1)
+        values = torch.cat([cache.values, v[0]], 1)
+        # Query i sees the cached entries and the new ones up to itself, inside the window.
+        key_pos = torch.arange(cache.start, cache.start + keys.shape[1], device=features.device)
+        query_pos = positions[0]
+        mask = (key_pos[None] <= query_pos[:, None]) & (key_pos[None] > query_pos[:, None] - self.block_config.window)
+        scale = 1.0 / math.sqrt(self.block_config.head_dim)
+        scores = q @ self._expand_kv(keys[None]).transpose(-1, -2) * scale
+        scores = scores.masked_fill(~mask[None, None], float("-inf"))
+        g = self._finish(x, torch.softmax(scores.float(), -1).to(q.dtype) @ self._expand_kv(values[None]))
+        drop = max(0, keys.shape[1] - self.block_config.window)
+        cache.keys, cache.values, cache.start = keys[:, drop:], values[:, drop:], cache.start + drop
+        return g[0]
+
+    def draft_step(self, cache: BlockCache, chain: list[tuple[torch.Tensor, torch.Tensor]], feature: torch.Tensor,
+                   token_embed: torch.Tensor) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+        """One deeper draft: the input (feature = the previous depth's g [d], the embedding
+        of the token drafted from it) at the position after the chain's entries so far
+        (chain: their (k, v) [KV, hd] pairs, not cached). Returns (g [d], this depth's (k, v))."""
+        position = torch.tensor([[cache.length + len(chain)]], device=feature.device)
+        x = self.fused_inputs(feature[None, None], token_embed[None, None])
+        q, k, v = self._qkv(x, position)
+        own_k = torch.stack([c[0] for c in chain] + [k[0, :, 0]], 1)             # [KV, m, hd]
+        own_v = torch.stack([c[1] for c in chain] + [v[0, :, 0]], 1)
+        first = max(0, cache.keys.shape[1] - (self.block_config.window - own_k.shape[1]))  # inside the window
+        keys = torch.cat([cache.keys[:, first:], own_k], 1)
+        values = torch.cat([cache.values[:, first:], own_v], 1)
+        scale = 1.0 / math.sqrt(self.block_config.head_dim)
+        scores = q @ self._expand_kv(keys[None]).transpose(-1, -2) * scale
+        g = self._finish(x, torch.softmax(scores.float(), -1).to(q.dtype) @ self._expand_kv(values[None]))
+        return g[0, 0], (k[0, :, 0], v[0, :, 0])
+
+
+def _rope_theta(model_config) -> float:
+    """The target's RoPE base: newer transformers keep it in rope_parameters."""
+    parameters = getattr(model_config, "rope_parameters", None) or {}
+    return float(parameters.get("rope_theta") or getattr(model_config, "rope_theta", None) or 10000.0)
+
+
+def block_config_for(model_config, *, window: int = 1024) -> BlockConfig:
+    """A block shaped like one of the target's own decoder layers."""
+    heads = model_config.num_attention_heads
+    return BlockConfig(
+        attention_heads=heads,
+        kv_heads=getattr(model_config, "num_key_value_heads", None) or heads,
+        head_dim=getattr(model_config, "head_dim", None) or model_config.hidden_size // heads,
+        mlp_size=model_config.intermediate_size,
+        rope_theta=_rope_theta(model_config),
+        rms_norm_eps=float(getattr(model_config, "rms_norm_eps", 1e-5)),
+        window=window,
+    )
