@@ -148,14 +148,18 @@ def test_an_unknown_draft_size_is_named(capsys):
         _choices("learned", ("fixed", "adaptive"), "--draft-size")
 
 
-def test_rows_of_several_heads_are_labelled_by_draft_vocabulary_or_name(tiny_model, tiny_model_dir, tmp_path):
+def test_rows_of_several_heads_are_labelled_by_kind_draft_vocabulary_or_name(tiny_model, tiny_model_dir, tmp_path):
     from vllm_mtpspec.checkpoint import save_heads
     from vllm_mtpspec.heads_init import init_heads
 
     heads = init_heads(tiny_model, tiny_model_dir, num_heads=2)
     full = save_heads(heads, tmp_path / "v5")
     small = save_heads(heads.with_draft_vocab(torch.arange(64)), tmp_path / "v5-small")
-    methods = build_methods(["mtpspec-chain"], model_dir="m", heads_dirs=[str(full), str(small)], num_heads=[2],
-                            quants=["fp"], tree="consensus", work_dir=tmp_path)
-    assert [m.name for m in methods] == ["mtpspec-chain k=2 +lookup [v5]", "mtpspec-chain k=2 +lookup vocab=64"]
-    assert [m.speculative_config["model"] for m in methods] == [str(full), str(small)]
+    from vllm_mtpspec.heads_init import init_draft_block
+
+    block = save_heads(init_draft_block(tiny_model, tiny_model_dir, num_heads=2), tmp_path / "b1")
+    methods = build_methods(["mtpspec-chain"], model_dir="m", heads_dirs=[str(full), str(small), str(block)],
+                            num_heads=[2], quants=["fp"], tree="consensus", work_dir=tmp_path)
+    assert [m.name for m in methods] == ["mtpspec-chain k=2 +lookup [v5]", "mtpspec-chain k=2 +lookup vocab=64",
+                                         "mtpspec-chain k=2 +lookup block [b1]"]
+    assert [m.speculative_config["model"] for m in methods] == [str(full), str(small), str(block)]

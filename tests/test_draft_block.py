@@ -200,3 +200,47 @@ def test_reference_decoding_with_a_block_is_lossless_and_drafts_what_the_scorer_
         torch.testing.assert_close(logits, replay[row, 0], atol=0.05, rtol=0.02)
         row += step.accepted_len
     assert len(first_drafts) == len(result.steps) and drafter.cache.length == len(prompt) + row - 1
+
+
+@torch.no_grad()
+def test_served_drafts_follow_the_same_chain_as_the_reference_drafter():
+    """vLLM's side (block_context.py: caches fed from a step's rows, chains drafted from
+    them) against the reference drafter, for two requests in one batch."""
+    import numpy as np
+
+    from vllm_mtpspec.drafter import BlockDrafter
+    from vllm_mtpspec.vllm.block_context import BlockContexts, ScheduledRows
+
+    block = make_block(num_heads=3).float()
+    features, embed, tokens = random_sequence(14)
+    features, embed = features.float(), embed.float()
+    lm_head = torch.randn(VOCAB, D)
+    model = SimpleModel(embed, lm_head)
+    contexts = BlockContexts(block, model.get_input_embeddings())
+    # Request "a": a prefill of 6 rows; request "b": 8 rows, whose last produced token was just sampled.
+    token_ids = np.zeros((2, 20), dtype=np.int64)
+    token_ids[0, :7], token_ids[1, :9] = tokens[:7].numpy(), tokens[5:14].numpy()
+    rows = ScheduledRows(hidden_states=torch.cat([features[:6], features[6:14]]), num_scheduled=[6, 8],
+                         num_computed=[0, 0])
+    newest = contexts.update(["a", "b"], rows, [7, 9], token_ids)
+    probs = contexts.chain_probs([0, 1], newest, ["a", "b"], 3, lambda x: x @ lm_head.T, torch.ones(3), None)
+    for batch_index, (states, seq) in enumerate([(features[:6], tokens[:7]), (features[6:14], tokens[5:14])]):
+        drafter = BlockDrafter(block, model)
+        drafter.start()
+        drafter.observe(states[:-1], seq[1:-1])
+        expected = drafter.head_logits(states[-1:], seq[-1:])[0]
+        torch.testing.assert_close(probs[batch_index], torch.softmax(expected, -1))
+
+
+class SimpleModel:
+    """Just what a drafter reads from a Hugging Face model: its embedding and LM head."""
+
+    def __init__(self, embed, lm_head):
+        self._embed, self._lm_head = torch.nn.Embedding.from_pretrained(embed), torch.nn.Linear(D, VOCAB, bias=False)
+        self._lm_head.weight.data = lm_head
+
+    def get_input_embeddings(self):
+        return self._embed
+
+    def get_output_embeddings(self):
+        return self._lm_head

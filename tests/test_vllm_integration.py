@@ -362,3 +362,89 @@ def test_sampled_tree_run(model_dir, heads_dir):
     assert all(0 < len(o) <= MAX_TOKENS for o in outputs)
     assert all(0 <= t < vocab + 64 for o in outputs for t in o)
     assert stats["requests"] > 0 and stats["accepted"] > 0
+
+
+@pytest.fixture(scope="module")
+def random_block_dir(model_dir, tmp_path_factory):
+    """An untrained attention draft block: its drafts are rarely right (prompt lookup's
+    are), which is enough to check what its caches are fed."""
+    from vllm_mtpspec.checkpoint import save_heads
+    from vllm_mtpspec.heads_init import init_draft_block
+    from vllm_mtpspec.target import load_target
+
+    target = load_target(str(model_dir), dtype="fp32")
+    return save_heads(init_draft_block(target.model, model_dir, num_heads=3), tmp_path_factory.mktemp("block"))
+
+
+@pytest.mark.parametrize("engine", ["chunked+prefix-cache", "preempting"])
+def test_a_draft_blocks_caches_hold_every_accepted_position_and_nothing_else(model_dir, random_block_dir, baseline,
+                                                                             monkeypatch, engine):
+    """Every entry the block's caches take is the target's state at a position beside the
+    token that state produced, and every position of a request from where its cache began
+    (after a prefix-cache hit) to its end is there exactly once, through chunked prefill,
+    rejected drafts and preemption."""
+    import torch
+
+    from vllm_mtpspec.draft_block import DraftBlock
+    from vllm_mtpspec.target import load_target
+    from vllm_mtpspec.vllm.block_context import BlockContexts
+
+    taken = []  # (request, first position, states, token embeddings)
+    current = {}
+    cache_for = BlockContexts._cache_ending_at
+    extend = DraftBlock.extend
+
+    def recording_cache(self, req_id, position):
+        cache = cache_for(self, req_id, position)
+        current[id(cache)] = req_id
+        return cache
+
+    def recording_extend(self, cache, states, embeds):
+        taken.append((current[id(cache)], cache.length, states.clone(), embeds.clone()))
+        return extend(self, cache, states, embeds)
+    monkeypatch.setattr(BlockContexts, "_cache_ending_at", recording_cache)
+    monkeypatch.setattr(DraftBlock, "extend", recording_extend)
+    config = ENGINE if engine != "preempting" else {**ENGINE, "max_model_len": 256, "kv_cache_memory_bytes": 16 << 20,
+                                                     "block_size": 32}
+    from vllm import LLM
+
+    llm = LLM(str(model_dir), **config, speculative_config={"method": "mtpspec", "model": str(random_block_dir),
+                                                            "num_speculative_tokens": 3})
+    prompts = chat_prompts(llm)
+    outputs = greedy(llm)
+    metrics = spec_metrics(llm)
+    preemptions = sum(m.value for m in llm.get_metrics() if m.name == "vllm:num_preemptions")
+    close(llm)
+    assert outputs == baseline
+    assert metrics["vllm:spec_decode_num_accepted_tokens"] > 0  # steps that kept several rows
+    assert (preemptions > 0) == (engine == "preempting")
+    target = load_target(str(model_dir), dtype="fp32")
+    embed = target.model.get_input_embeddings().weight
+    tokenizer = target.tokenizer
+    sequences = [tokenizer.encode(p, add_special_tokens=False) + o for p, o in zip(prompts, outputs)]
+    by_request = {}
+    for req_id, start, states, embeds in taken:
+        tokens = [int((embed == e).all(-1).nonzero()[0]) for e in embeds]
+        by_request.setdefault(req_id, []).append((start, states, tokens))
+    assert len(by_request) == len(sequences)
+    for entries in by_request.values():
+        # The last time a request's cache started (a preempted one starts again).
+        restart = max(i for i, (start, _, _) in enumerate(entries) if i == 0 or start < entries[i - 1][0] +
+                      len(entries[i - 1][2]))
+        entries = entries[restart:]
+        positions = [p for start, _, tokens in entries for p in range(start, start + len(tokens))]
+        produced = [t for _, _, tokens in entries for t in tokens]
+        first = positions[0]
+        matches = [s for s in sequences if s[first + 1:first + 1 + len(produced)] == produced]
+        assert len(matches) == 1, "the tokens beside the states are one request's own, in order"
+        sequence = matches[0]
+        assert positions == list(range(first, len(sequence) - 1))  # each position once, up to the end
+        with torch.no_grad():
+            states = target.model.get_decoder()(input_ids=torch.tensor([sequence])).last_hidden_state[0]
+        recorded = torch.cat([s for _, s, _ in entries]).float()
+        torch.testing.assert_close(recorded, states[first:len(sequence) - 1], atol=2e-3, rtol=2e-3)
+
+
+def test_a_draft_block_with_a_tree_is_refused_at_start_up(model_dir, random_block_dir):
+    with pytest.raises(Exception, match="head_kind='attention' drafts chains only so far.*tree='consensus'"):
+        build(model_dir, speculative_config={"method": "mtpspec", "model": str(random_block_dir), "tree": "consensus"})

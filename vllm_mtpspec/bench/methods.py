@@ -88,17 +88,20 @@ def build_methods(names: list[str], *, model_dir: str, heads_dirs: list[str], nu
 
 
 def _heads_tag(heads_dir: str, *, several: bool) -> str:
-    """What tells rows of different heads apart: their draft vocabulary, else (when
-    several heads are compared) the directory's name."""
+    """What tells rows of different heads apart: an attention block's kind, their draft
+    vocabulary, else (when several heads are compared) the directory's name."""
     from vllm_mtpspec.checkpoint import HeadsError, read_heads_config
 
     try:
-        draft_vocab = read_heads_config(heads_dir).draft_vocab_size
+        config = read_heads_config(heads_dir)
     except HeadsError:
-        draft_vocab = 0
-    if draft_vocab:
-        return f" vocab={draft_vocab}"
-    return f" [{Path(heads_dir).name}]" if several else ""
+        return f" [{Path(heads_dir).name}]" if several else ""
+    tag = " block" if config.head_kind == "attention" else ""
+    if config.draft_vocab_size:
+        tag += f" vocab={config.draft_vocab_size}"
+    elif several:
+        tag += f" [{Path(heads_dir).name}]"
+    return tag
 
 
 def _int2_heads(heads_dir: str, work_dir: Path) -> Path:

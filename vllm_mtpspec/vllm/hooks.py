@@ -182,11 +182,28 @@ def install_hidden_state_hook() -> None:
                 tree_blocker=lambda i: _tree_blocker_for(self, req_ids[i]),
                 decode_only=_decode_only(bound.arguments.get("scheduler_output")),
                 sampled=lambda i: _is_sampled(self, req_ids[i]),
+                scheduled=_scheduled_rows(self, bound.arguments, req_ids),
             )
         return original(self, *args, **kwargs)
 
     GPUModelRunner.propose_draft_token_ids = propose_draft_token_ids
     _installed.add("hidden_states")
+
+
+def _scheduled_rows(runner, arguments, req_ids: list[str]) -> "ScheduledRows | None":
+    """The states of every token the step computed, with each request's share of them
+    and where its tokens began (what a draft block that reads the context is fed)."""
+    from vllm_mtpspec.vllm.block_context import ScheduledRows
+
+    scheduler_output = arguments.get("scheduler_output")
+    if scheduler_output is None or arguments.get("hidden_states") is None:
+        return None
+    counts = scheduler_output.num_scheduled_tokens
+    return ScheduledRows(
+        hidden_states=arguments["hidden_states"],
+        num_scheduled=[int(counts.get(r, 0)) for r in req_ids],
+        num_computed=runner.input_batch.num_computed_tokens_cpu[:len(req_ids)].tolist(),
+    )
 
 
 def _decode_only(scheduler_output) -> bool:

@@ -34,7 +34,8 @@ from functools import cached_property
 import torch
 
 from vllm_mtpspec.adaptive import DraftSizeController
-from vllm_mtpspec.checkpoint import load_heads, require_parallel
+from vllm_mtpspec.checkpoint import load_heads
+from vllm_mtpspec.config import ConfigError
 from vllm_mtpspec.draft_planner import Candidate, DraftPlanner
 from vllm_mtpspec.lookup import lookup_draft
 from vllm_mtpspec.tree import DraftTreeBuilder, TreeShape, chain_tree
@@ -44,6 +45,7 @@ from vllm_mtpspec.vllm.platform_defaults import (default_backoff_start, default_
 from vllm_mtpspec.vllm.options import check_against_model, options_from_additional_config
 from vllm_mtpspec.vllm.parallel import RankZeroDecision, tensor_parallel_group
 from vllm_mtpspec.vllm.rows import last_sampled_rows
+from vllm_mtpspec.vllm.block_context import BlockContexts, ScheduledRows
 from vllm_mtpspec.vllm.tree_step import ProposedTree
 from vllm_mtpspec.vllm.version import require_supported_vllm
 
@@ -69,6 +71,9 @@ class MTPSpecProposer:
             hidden_size=hf_config.hidden_size,
             vocab_size=hf_config.vocab_size,
         )
+        if self.heads_config.head_kind == "attention" and self.options.tree != "chain":
+            raise ConfigError(f"{self.options.heads}/config.json: head_kind='attention' drafts chains only so far, "
+                              f"and tree={self.options.tree!r} was asked: use tree='chain'")
         self.depth = wanted or self.heads_config.num_heads
         self.model_path = model_config.model
         self.dtype = model_config.dtype
@@ -94,6 +99,8 @@ class MTPSpecProposer:
         self._tree_blocker: Callable[[int], str | None] | None = None
         self._is_sampled: Callable[[int], bool] | None = None
         self._step_was_decode_only = False
+        self._scheduled: ScheduledRows | None = None
+        self.block_contexts: BlockContexts | None = None  # an attention draft block's caches (load_model)
         # The largest tree a step may send: the user's node budget within vLLM's.
         self.max_tree_budget = min(self.options.max_tree_nodes, self.max_drafts)
         # Draft sizes the controller chooses between: level 0 drafts nothing; chains grow
@@ -120,11 +127,12 @@ class MTPSpecProposer:
 
     def load_model(self, target_model) -> None:
         self.heads = load_heads(self.options.heads, device=self.device, dtype=self.dtype)
-        require_parallel(self.heads, self.options.heads, where="vLLM's mtpspec proposer")
         self._temperatures = self.heads.temperatures.to(self.device)
         # Through the target's modules, never its weights: on the CPU they are repacked.
         self._lm_head = target_model.compute_logits
         self._embed = getattr(target_model, "embed_input_ids", None) or target_model.get_input_embeddings
+        if self.heads.config.head_kind == "attention":
+            self.block_contexts = BlockContexts(self.heads, self._embed)
         self._draft_ids = None
         if self.heads.draft_vocab is not None:
             # The draft vocabulary's rows of the LM head, read from the model's files (the
@@ -152,11 +160,14 @@ class MTPSpecProposer:
 
     def capture_step(self, sample_hidden_states: torch.Tensor, spec_decode_metadata, req_ids=None,
                      tree_rows: dict[int, int] | None = None, tree_blocker: Callable[[int], str | None] | None = None,
-                     decode_only: bool = False, sampled: Callable[[int], bool] | None = None) -> None:
+                     decode_only: bool = False, sampled: Callable[[int], bool] | None = None,
+                     scheduled: ScheduledRows | None = None) -> None:
         """tree_rows: for requests verified as trees, the row (within the request) of the
         last accepted node. tree_blocker: by batch index, why a request must get a chain
         (or None). sampled: by batch index, whether a request samples (temperature > 0).
-        decode_only: the step prefilled no prompt (so its time says what drafting cost)."""
+        decode_only: the step prefilled no prompt (so its time says what drafting cost).
+        scheduled: the states of every token computed (an attention draft block reads them)."""
+        self._scheduled = scheduled
         self._step_was_decode_only = decode_only
         self._sample_hidden_states = sample_hidden_states
         self._num_draft_tokens = None if spec_decode_metadata is None else list(spec_decode_metadata.num_draft_tokens)
@@ -232,6 +243,7 @@ class MTPSpecProposer:
         self._sample_hidden_states = None
         drafts: list[list[int]] = [[] for _ in sampled_token_ids]
         req_ids = self._req_ids
+        newest = self._feed_block(req_ids, num_tokens_no_spec, token_ids_cpu)
         live = None if req_ids is None else set(req_ids)
         if live is not None:
             self.proposed_trees = {r: t for r, t in self.proposed_trees.items() if r in live}
@@ -252,7 +264,11 @@ class MTPSpecProposer:
             head_owners = []
         drafting_started = time.perf_counter()
         if head_owners:
-            probs = self._head_probs(hidden_all, [pairs[j] for j in head_owners], sampled_token_ids, depth)
+            if self.block_contexts is not None:
+                probs = self.block_contexts.chain_probs([owners[j] for j in head_owners], newest, req_ids, depth,
+                                                        self._lm_head, self._temperatures, self._draft_ids)
+            else:
+                probs = self._head_probs(hidden_all, [pairs[j] for j in head_owners], sampled_token_ids, depth)
             tree_rows = [n for n, j in enumerate(head_owners) if self._tree_allowed(owners[j], req_ids)]
             on_tree = set(tree_rows)
             chain_rows = [n for n in range(len(head_owners)) if n not in on_tree]
@@ -282,6 +298,16 @@ class MTPSpecProposer:
             self._last_size_log = time.monotonic()
             logger.info("mtpspec: draft planner: %s", self.planner.describe())
         return {j: dataclasses.replace(chain, length=lengths[owners[j]]) for j, chain in chains.items()}
+
+    def _feed_block(self, req_ids, num_tokens_no_spec, token_ids_cpu) -> dict[int, torch.Tensor]:
+        """Every step, drafted or not: the draft block's caches take the accepted rows."""
+        scheduled, self._scheduled = self._scheduled, None
+        if self.block_contexts is None:
+            return {}
+        if scheduled is None or req_ids is None or num_tokens_no_spec is None or token_ids_cpu is None:
+            raise RuntimeError("an attention draft block needs every step's hidden states and token ids from the "
+                               "runner hook (hooks.py), and this step had none")
+        return self.block_contexts.update(req_ids, scheduled, num_tokens_no_spec, token_ids_cpu)
 
     def _batch_ids(self, num_requests: int) -> list[str]:
         return list(self._req_ids) if self._req_ids is not None else [str(i) for i in range(num_requests)]
