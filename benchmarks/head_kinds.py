@@ -94,14 +94,9 @@ def draft_step_ms(heads, lm_head, embed, repeats: int, context: int = 256) -> fl
         heads.extend(cache, torch.randn(context, d), embed[torch.randint(0, embed.shape[0], (context,))])
 
         def step():
-            g = heads.extend(cache, h, embed[token])[-1]
-            chain = []
-            for depth in range(k):
-                choice = project(g[None]).argmax(-1)
-                if depth + 1 < k:
-                    g, entry = heads.draft_step(cache, chain, g, embed[choice[0]])
-                    chain.append(entry)
-            cache.keys, cache.values = cache.keys[:, :-1], cache.values[:, :-1]  # stay at `context` entries
+            newest = heads.extend(cache, h, embed[token])[-1:]
+            heads.draft_chains([cache], newest, k, project, lambda t: embed[t], heads.draft_vocab)
+            heads.truncate(cache, context)  # stay at `context` entries
     else:
         e = embed[token] if heads.config.token_conditioned else None
 

@@ -39,12 +39,13 @@ def unrolled_all(block, features, embed, tokens, depth, start_position=0):
 
 
 def drafted_chain(block, cache, g, embed, tokens_after, depth):
-    """g^1 (from extend) then depths 2..depth by draft_step, the chain's tokens given."""
-    out, chain = [g], []
+    """g^1 (from extend) then depths 2..depth as drafting runs them (each depth's entry
+    appended, then all cut off), the chain's tokens given."""
+    out, end = [g], cache.length
     for j in range(2, depth + 1):
-        g, kv = block.draft_step(cache, chain, g, embed[tokens_after[j - 2]])
-        chain.append(kv)
+        g = block.extend(cache, g[None], embed[tokens_after[j - 2]][None])[-1]
         out.append(g)
+    block.truncate(cache, end)
     return out
 
 
@@ -65,6 +66,23 @@ def test_drafting_from_the_cache_matches_the_unrolled_training_pass_at_every_pos
 
 
 @torch.no_grad()
+def test_requests_extended_together_get_what_each_gets_alone():
+    block = make_block()
+    features, embed, tokens = random_sequence(12)
+    caches = [block.empty_cache(dtype=torch.float64) for _ in range(3)]
+    block.extend(caches[0], features[:5], embed[tokens[:5]])     # three requests at different lengths
+    block.extend(caches[2], features[:9], embed[tokens[:9]])
+    alone = [block.extend(c, f, e) for c, f, e in zip(
+        [c.__class__(c.keys.clone(), c.values.clone(), c.start) for c in caches],
+        [features[5:7], features[:3], features[9:10]], [embed[tokens[5:7]], embed[tokens[:3]], embed[tokens[9:10]]])]
+    together = block.extend_many(caches, [features[5:7], features[:3], features[9:10]],
+                                 [embed[tokens[5:7]], embed[tokens[:3]], embed[tokens[9:10]]])
+    for mine, theirs in zip(together, alone):
+        torch.testing.assert_close(mine, theirs)
+    assert [c.length for c in caches] == [7, 3, 10]
+
+
+@torch.no_grad()
 def test_extending_in_pieces_is_extending_at_once():
     block = make_block()
     features, embed, tokens = random_sequence(9)
@@ -82,15 +100,17 @@ def test_the_window_keeps_the_last_entries_only():
     cache = block.empty_cache(dtype=torch.float64)
     for p in range(11):
         g = block.extend(cache, features[p:p + 1], embed[tokens[p:p + 1]])[-1]
+        block.trim(cache)
     assert cache.keys.shape[1] == window and cache.length == 11
     # RoPE scores depend on distances only: the last `window` entries alone, anywhere, give the same.
     alone = unrolled_all(block, features[-window:], embed, tokens[11 - window:], 1, start_position=3)
     torch.testing.assert_close(g, alone[0][0, -1])
     # A deeper draft sees the window too: its own entry plus the newest window - 1.
-    g2, _ = block.draft_step(cache, [], g, embed[tokens[11]])
+    g2 = block.extend(cache, g[None], embed[tokens[11]][None])[-1]
+    block.truncate(cache, 11)
     newest = block.empty_cache(dtype=torch.float64)
     block.extend(newest, features[-(window - 1):], embed[tokens[11 - (window - 1):11]])
-    torch.testing.assert_close(g2, block.draft_step(newest, [], g, embed[tokens[11]])[0])
+    torch.testing.assert_close(g2, block.extend(newest, g[None], embed[tokens[11]][None])[-1])
 
 
 def test_padding_does_not_reach_real_positions():
@@ -244,3 +264,24 @@ class SimpleModel:
 
     def get_output_embeddings(self):
         return self._lm_head
+
+
+@torch.no_grad()
+def test_drafted_chains_are_the_unrolled_pass_along_their_own_drafts_and_leave_the_caches_as_they_were():
+    block = make_block(num_heads=4)
+    features, embed, tokens = random_sequence(16)
+    lm_head = torch.randn(VOCAB, D, dtype=torch.float64)
+    caches, newest = [], []
+    for length in (7, 12):  # two requests, drafted together
+        cache = block.empty_cache(dtype=torch.float64)
+        newest.append(block.extend(cache, features[:length], embed[tokens[:length]])[-1])
+        caches.append(cache)
+    logits = block.draft_chains(caches, torch.stack(newest), 4, lambda x: x @ lm_head.T, lambda t: embed[t])
+    assert [c.length for c in caches] == [7, 12] and [c.keys.shape[1] for c in caches] == [7, 12]
+    for b, length in enumerate((7, 12)):
+        drafted = logits[b].argmax(-1)
+        # Depth j at the last position reads s_{p+j}: the real token, then the chain's own drafts.
+        chain_tokens = torch.cat([tokens[:length], drafted[:-1]])
+        expected = unrolled_all(block, features[:length], embed, chain_tokens, 4)
+        for j in range(4):
+            torch.testing.assert_close(logits[b, j], expected[j][0, -1] @ lm_head.T)

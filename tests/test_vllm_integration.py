@@ -389,21 +389,30 @@ def test_a_draft_blocks_caches_hold_every_accepted_position_and_nothing_else(mod
     from vllm_mtpspec.target import load_target
     from vllm_mtpspec.vllm.block_context import BlockContexts
 
-    taken = []  # (request, first position, states, token embeddings)
-    current = {}
-    cache_for = BlockContexts._cache_ending_at
-    extend = DraftBlock.extend
+    taken = []  # (request, first position, states, token embeddings) of entries kept
+    current, drafting = {}, []
+    cache_for, extend_many, draft_chains = (BlockContexts._cache_ending_at, DraftBlock.extend_many,
+                                            DraftBlock.draft_chains)
 
     def recording_cache(self, req_id, position):
         cache = cache_for(self, req_id, position)
         current[id(cache)] = req_id
         return cache
 
-    def recording_extend(self, cache, states, embeds):
-        taken.append((current[id(cache)], cache.length, states.clone(), embeds.clone()))
-        return extend(self, cache, states, embeds)
+    def recording_extend(self, caches, states, embeds):
+        if not drafting:  # a chain's own entries are cut off again (checked in test_draft_block.py)
+            taken.extend((current[id(c)], c.length, s.clone(), e.clone()) for c, s, e in zip(caches, states, embeds))
+        return extend_many(self, caches, states, embeds)
+
+    def marked_drafting(self, *args, **kwargs):
+        drafting.append(True)
+        try:
+            return draft_chains(self, *args, **kwargs)
+        finally:
+            drafting.pop()
     monkeypatch.setattr(BlockContexts, "_cache_ending_at", recording_cache)
-    monkeypatch.setattr(DraftBlock, "extend", recording_extend)
+    monkeypatch.setattr(DraftBlock, "extend_many", recording_extend)
+    monkeypatch.setattr(DraftBlock, "draft_chains", marked_drafting)
     config = ENGINE if engine != "preempting" else {**ENGINE, "max_model_len": 256, "kv_cache_memory_bytes": 16 << 20,
                                                      "block_size": 32}
     from vllm import LLM

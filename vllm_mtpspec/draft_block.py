@@ -13,7 +13,7 @@ depths 2..j of the same chain, never a draft of another chain. Training applies 
 this mask to every position at once (`unrolled`, with the answer's own tokens as the
 drafts of a chain that is still right); drafting caches the context's keys and values
 per request (`BlockCache`): entries of accepted tokens only, so a rejected draft leaves
-nothing behind.
+nothing behind (a chain's own entries are appended while it is drafted, then cut off).
 
 The block's output goes through a final RMSNorm (initialised from the target's) so that
 g lives on the scale of f: the target's LM head reads it and the next depth takes it as
@@ -167,43 +167,74 @@ class DraftBlock(DraftModule):
         return BlockCache(keys=empty, values=empty.clone())
 
     def extend(self, cache: BlockCache, features: torch.Tensor, token_embeds: torch.Tensor) -> torch.Tensor:
-        """Appends n accepted positions (features [n, d] and the embeddings of the tokens
-        they produced) to the cache; returns their outputs g [n, d] (the last one drafts)."""
-        n = features.shape[0]
-        positions = torch.arange(cache.length, cache.length + n, device=features.device)[None]
-        x = self.fused_inputs(features[None], token_embeds[None])
-        q, k, v = self._qkv(x, positions)
-        keys = torch.cat([cache.keys, k[0]], 1)
-        values = torch.cat([cache.values, v[0]], 1)
-        # Query i sees the cached entries and the new ones up to itself, inside the window.
-        key_pos = torch.arange(cache.start, cache.start + keys.shape[1], device=features.device)
-        query_pos = positions[0]
-        mask = (key_pos[None] <= query_pos[:, None]) & (key_pos[None] > query_pos[:, None] - self.block_config.window)
-        scale = 1.0 / math.sqrt(self.block_config.head_dim)
-        scores = q @ self._expand_kv(keys[None]).transpose(-1, -2) * scale
-        scores = scores.masked_fill(~mask[None, None], float("-inf"))
-        g = self._finish(x, torch.softmax(scores.float(), -1).to(q.dtype) @ self._expand_kv(values[None]))
-        drop = max(0, keys.shape[1] - self.block_config.window)
-        cache.keys, cache.values, cache.start = keys[:, drop:], values[:, drop:], cache.start + drop
-        return g[0]
+        """extend_many for one request."""
+        return self.extend_many([cache], [features], [token_embeds])[0]
 
-    def draft_step(self, cache: BlockCache, chain: list[tuple[torch.Tensor, torch.Tensor]], feature: torch.Tensor,
-                   token_embed: torch.Tensor) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
-        """One deeper draft: the input (feature = the previous depth's g [d], the embedding
-        of the token drafted from it) at the position after the chain's entries so far
-        (chain: their (k, v) [KV, hd] pairs, not cached). Returns (g [d], this depth's (k, v))."""
-        position = torch.tensor([[cache.length + len(chain)]], device=feature.device)
-        x = self.fused_inputs(feature[None, None], token_embed[None, None])
-        q, k, v = self._qkv(x, position)
-        own_k = torch.stack([c[0] for c in chain] + [k[0, :, 0]], 1)             # [KV, m, hd]
-        own_v = torch.stack([c[1] for c in chain] + [v[0, :, 0]], 1)
-        first = max(0, cache.keys.shape[1] - (self.block_config.window - own_k.shape[1]))  # inside the window
-        keys = torch.cat([cache.keys[:, first:], own_k], 1)
-        values = torch.cat([cache.values[:, first:], own_v], 1)
-        scale = 1.0 / math.sqrt(self.block_config.head_dim)
-        scores = q @ self._expand_kv(keys[None]).transpose(-1, -2) * scale
-        g = self._finish(x, torch.softmax(scores.float(), -1).to(q.dtype) @ self._expand_kv(values[None]))
-        return g[0, 0], (k[0, :, 0], v[0, :, 0])
+    def extend_many(self, caches: list[BlockCache], features: list[torch.Tensor],
+                    token_embeds: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Appends each request's next positions (features [n_b, d] and the embeddings of
+        the tokens they produced) to its cache and returns their outputs g [n_b, d], all
+        requests in one pass. A draft is the same call on its chain's entries, undone with
+        `truncate` once the chain is drafted; `trim` drops what fell out of the window."""
+        cfg = self.block_config
+        device = features[0].device
+        lengths = [f.shape[0] for f in features]
+        n = max(lengths)
+        pad = lambda t: F.pad(t, (0, 0, 0, n - t.shape[0]))  # noqa: E731
+        x = self.fused_inputs(torch.stack([pad(f) for f in features]), torch.stack([pad(e) for e in token_embeds]))
+        starts = torch.tensor([c.length for c in caches], device=device)
+        positions = starts[:, None] + torch.arange(n, device=device)                         # [B, n]
+        q, k, v = self._qkv(x, positions)
+        # Each request's visible keys: the newest window entries before its new ones, then those.
+        keys, values, key_positions = [], [], []
+        for b, cache in enumerate(caches):
+            first = max(0, cache.keys.shape[1] - cfg.window)
+            keys.append(torch.cat([cache.keys[:, first:], k[b, :, :lengths[b]]], 1))
+            values.append(torch.cat([cache.values[:, first:], v[b, :, :lengths[b]]], 1))
+            key_positions.append(torch.arange(cache.start + first, cache.length + lengths[b], device=device))
+            cache.keys = torch.cat([cache.keys, k[b, :, :lengths[b]]], 1)
+            cache.values = torch.cat([cache.values, v[b, :, :lengths[b]]], 1)
+        width = max(kp.numel() for kp in key_positions)
+        padded = lambda t: F.pad(t, (0, 0, 0, width - t.shape[1]))  # noqa: E731
+        keys, values = torch.stack([padded(t) for t in keys]), torch.stack([padded(t) for t in values])
+        key_pos = torch.stack([F.pad(kp, (0, width - kp.numel()), value=-1) for kp in key_positions])  # [B, L]
+        seen = (key_pos[:, None, :] >= 0) & (key_pos[:, None, :] <= positions[:, :, None]) \
+            & (key_pos[:, None, :] > positions[:, :, None] - cfg.window)                     # [B, n, L]
+        scale = 1.0 / math.sqrt(cfg.head_dim)
+        scores = (q @ self._expand_kv(keys).transpose(-1, -2) * scale).masked_fill(~seen[:, None], float("-inf"))
+        g = self._finish(x, torch.softmax(scores.float(), -1).to(q.dtype) @ self._expand_kv(values))
+        return [g[b, :lengths[b]] for b in range(len(caches))]
+
+    @staticmethod
+    def truncate(cache: BlockCache, length: int) -> None:
+        """Forgets the entries from position `length` on (a drafted chain's, or recomputed ones)."""
+        keep = max(0, length - cache.start)
+        cache.keys, cache.values = cache.keys[:, :keep], cache.values[:, :keep]
+
+    def trim(self, cache: BlockCache) -> None:
+        """Drops the entries no future query can see (older than the window)."""
+        drop = max(0, cache.keys.shape[1] - self.block_config.window)
+        if drop:
+            cache.keys, cache.values, cache.start = cache.keys[:, drop:], cache.values[:, drop:], cache.start + drop
+
+    def draft_chains(self, caches: list[BlockCache], newest: torch.Tensor, depth: int, project, embed,
+                     draft_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits [B, depth, N] along each request's own top-1 chain: newest [B, d] is the
+        output at its newest accepted position (depth 1); depth j reads depth j - 1's
+        output and the token drafted from it. The caches end as they began."""
+        ends = [c.length for c in caches]
+        g, logits = newest, []
+        for j in range(depth):
+            logits.append(project(g))
+            if j + 1 == depth:
+                break
+            token = logits[-1].argmax(-1)
+            if draft_ids is not None:
+                token = draft_ids[token]
+            g = torch.cat(self.extend_many(caches, list(g[:, None]), list(embed(token)[:, None])))
+        for cache, end in zip(caches, ends):
+            self.truncate(cache, end)
+        return torch.stack(logits, 1)
 
 
 def _rope_theta(model_config) -> float:

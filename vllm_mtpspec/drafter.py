@@ -61,23 +61,17 @@ class BlockDrafter:
         """states [n, d] of accepted positions and the tokens [n] each produced."""
         if tokens.numel():
             self.block.extend(self.cache, states, self._embed(tokens))
+            self.block.trim(self.cache)
 
     @torch.no_grad()
     def head_logits(self, hidden: torch.Tensor, root_tokens: torch.Tensor) -> torch.Tensor:
         if hidden.shape[0] != 1:
             raise ValueError(f"BlockDrafter drafts for one sequence at a time, got a batch of {hidden.shape[0]}")
-        g = self.block.extend(self.cache, hidden, self._embed(root_tokens))[-1]
-        logits, chain = [], []
-        for depth in range(self.num_heads):
-            logits.append(self._project(g[None])[0])
-            if depth + 1 == self.num_heads:
-                break
-            token = logits[-1].argmax()
-            if self.block.draft_vocab is not None:
-                token = self.block.draft_vocab[token]
-            g, entry = self.block.draft_step(self.cache, chain, g, self._embed(token))
-            chain.append(entry)
-        return self.block.target_vocab_logits(torch.stack(logits)[None])
+        newest = self.block.extend(self.cache, hidden, self._embed(root_tokens))[-1:]
+        self.block.trim(self.cache)
+        logits = self.block.draft_chains([self.cache], newest, self.num_heads, self._project, self._embed,
+                                         self.block.draft_vocab)
+        return self.block.target_vocab_logits(logits)
 
 
 def drafter_for(heads: DraftModule, model) -> "HeadsDrafter | BlockDrafter":

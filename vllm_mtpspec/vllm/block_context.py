@@ -40,23 +40,31 @@ class BlockContexts:
 
     @torch.no_grad()
     def update(self, req_ids: list[str], rows: ScheduledRows, num_tokens_no_spec, token_ids_cpu) -> dict[int, torch.Tensor]:
-        """Feeds this step's accepted rows into each request's cache; returns, by batch
-        index, the block's output at the request's newest position (what drafts from it)."""
-        hidden_states, num_scheduled, num_computed = rows.hidden_states, rows.num_scheduled, rows.num_computed
+        """Feeds this step's accepted rows into each request's cache (all requests in one
+        pass of the block); returns, by batch index, the block's output at the request's
+        newest position (what drafts from it)."""
         live = set(req_ids)
         self.caches = {r: c for r, c in self.caches.items() if r in live}
-        newest: dict[int, torch.Tensor] = {}
+        fed, caches, states, produced = [], [], [], []
         offset = 0
         for i, req_id in enumerate(req_ids):
-            n, start = int(num_scheduled[i]), int(num_computed[i])
+            n, start = int(rows.num_scheduled[i]), int(rows.num_computed[i])
             cache = self._cache_ending_at(req_id, start)
             known = min(n, int(num_tokens_no_spec[i]) - 1 - start)
             if known > 0:
-                produced = torch.as_tensor(token_ids_cpu[i, start + 1:start + 1 + known], dtype=torch.long)
-                states = hidden_states[offset:offset + known]
-                newest[i] = self.block.extend(cache, states, self._embed(produced.to(states.device)))[-1]
+                fed.append(i)
+                caches.append(cache)
+                states.append(rows.hidden_states[offset:offset + known])
+                produced.append(torch.as_tensor(token_ids_cpu[i, start + 1:start + 1 + known], dtype=torch.long))
             offset += n
-        return newest
+        if not fed:
+            return {}
+        device = rows.hidden_states.device
+        embeds = self._embed(torch.cat(produced).to(device)).split([len(t) for t in produced])
+        outputs = self.block.extend_many(caches, states, list(embeds))
+        for cache in caches:
+            self.block.trim(cache)
+        return {i: out[-1] for i, out in zip(fed, outputs)}
 
     def _cache_ending_at(self, req_id: str, position: int) -> BlockCache:
         cache = self.caches.get(req_id)
@@ -66,26 +74,15 @@ class BlockContexts:
             cache.start = position
             self.caches[req_id] = cache
         elif cache.length > position:
-            keep = position - cache.start
-            cache.keys, cache.values = cache.keys[:, :keep], cache.values[:, :keep]
+            self.block.truncate(cache, position)
         return cache
 
     @torch.no_grad()
     def chain_probs(self, batch_indices: list[int], newest: dict[int, torch.Tensor], req_ids: list[str], depth: int,
                     project, temperatures: torch.Tensor, draft_ids: torch.Tensor | None) -> torch.Tensor:
         """[B, depth, V] temperature-scaled probabilities along each request's own top-1
-        chain: depth j reads depth j - 1's output and the token drafted from it."""
-        out = []
-        for i in batch_indices:
-            cache, g, chain, rows = self.caches[req_ids[i]], newest[i], [], []
-            for j in range(depth):
-                logits = project(g[None]).float()[0]
-                rows.append(torch.softmax(logits / temperatures[j], dim=-1))
-                if j + 1 < depth:
-                    token = logits.argmax()
-                    if draft_ids is not None:
-                        token = draft_ids[token]
-                    g, entry = self.block.draft_step(cache, chain, g, self._embed(token[None])[0])
-                    chain.append(entry)
-            out.append(torch.stack(rows))
-        return torch.stack(out)
+        chain, all requests drafted together."""
+        caches = [self.caches[req_ids[i]] for i in batch_indices]
+        logits = self.block.draft_chains(caches, torch.stack([newest[i] for i in batch_indices]), depth, project,
+                                         self._embed, draft_ids).float()
+        return torch.softmax(logits / temperatures[:depth, None], dim=-1)
