@@ -285,3 +285,18 @@ def test_drafted_chains_are_the_unrolled_pass_along_their_own_drafts_and_leave_t
         expected = unrolled_all(block, features[:length], embed, chain_tokens, 4)
         for j in range(4):
             torch.testing.assert_close(logits[b, j], expected[j][0, -1] @ lm_head.T)
+
+
+@torch.no_grad()
+def test_a_fresh_block_drafts_what_the_lm_head_says_on_h(tiny_model, tiny_model_dir):
+    from vllm_mtpspec.heads_init import init_draft_block
+
+    block = init_draft_block(tiny_model, tiny_model_dir, num_heads=2).eval()
+    ids = torch.tensor([[3, 14, 15, 92, 65, 35]])
+    h = tiny_model.model(input_ids=ids).last_hidden_state[0]
+    embed, lm_head = tiny_model.get_input_embeddings(), tiny_model.get_output_embeddings()
+    out = block.extend(block.empty_cache(), h, embed(ids[0]))
+    # A positive multiple of h (its RMS put on the norm weight's scale): the same ranking of tokens.
+    assert torch.equal(lm_head(out).argmax(-1), lm_head(h).argmax(-1))
+    cosine = torch.nn.functional.cosine_similarity(out, h, dim=-1)
+    torch.testing.assert_close(cosine, torch.ones_like(cosine))

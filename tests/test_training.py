@@ -112,7 +112,7 @@ def test_cotrained_student_and_heads(tiny_smol_teacher, tiny_smol_student, tiny_
 
 
 def test_an_attention_draft_block_trains_on_answers_read_with_their_prompt_rows(tiny_smol_teacher, tiny_data,
-                                                                                  tmp_path):
+                                                                                  tmp_path, monkeypatch):
     from vllm_mtpspec.checkpoint import load_heads
     from vllm_mtpspec.draft_block import DraftBlock
 
@@ -123,7 +123,10 @@ def test_an_attention_draft_block_trains_on_answers_read_with_their_prompt_rows(
     with pytest.raises(TrainConfigError, match="carries no prompt rows.*--context-rows"):
         run_training(TrainConfig(**common, train_data=str(tiny_data / "train"), held_out_data=None, name="no-context",
                                  out=str(tmp_path / "nothing")))
-    config = TrainConfig(**common, train_data=str(tmp_path / "train"), held_out_data=str(tmp_path / "held"),
+    # Data folders relative to the working directory, as in the shipped configs: Ray Train's
+    # workers run elsewhere and must still find the shards.
+    monkeypatch.chdir(tmp_path)
+    config = TrainConfig(**common, train_data="train", held_out_data="held",
                          train_answers=str(tiny_data / "train" / "answers"),
                          held_out_answers=str(tiny_data / "held" / "answers"), name="block", out=str(tmp_path / "block"))
     summary = run_training(config)  # the shards, with prompt rows, come back from the answers

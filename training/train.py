@@ -300,7 +300,9 @@ def run_training(config: TrainConfig) -> dict:
         _require_context_rows(train_shards, config)
     if config.mode == "cotrain" or config.head_kind == "attention":
         # Items are answers: the student, or the draft block, reads each in full.
-        items = [{"path": str(p), "answer": j} for p, o in zip(train_shards, offsets) for j in range(len(o) - 1)]
+        # Absolute: Ray Train's workers do not run in the driver's working directory.
+        items = [{"path": str(p.absolute()), "answer": j} for p, o in zip(train_shards, offsets)
+                 for j in range(len(o) - 1)]
         dataset = ray.data.from_items(items)
         num_items = len(items)
     else:  # items are answer rows with their recorded hidden states

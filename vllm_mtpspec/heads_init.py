@@ -67,8 +67,11 @@ def init_heads(
 
 
 def init_draft_block(model, model_dir: str | Path, *, num_heads: int, window: int = 1024, seed: int = 0):
-    """A fresh attention draft block shaped like one of the model's decoder layers, its
-    output norm starting as the model's final norm (so its output is on h's scale)."""
+    """A fresh attention draft block shaped like one of the model's decoder layers that
+    starts by passing the feature through: its fusion reads the feature alone, attention
+    and MLP add nothing yet (their output matrices are zero) and the output norm puts the
+    result back on h's scale, so an untrained block drafts what the LM head says on h,
+    as untrained parallel heads do, rather than noise."""
     from vllm_mtpspec.draft_block import DraftBlock, block_config_for
 
     cfg = model.config
@@ -86,8 +89,14 @@ def init_draft_block(model, model_dir: str | Path, *, num_heads: int, window: in
     with torch.random.fork_rng():
         torch.manual_seed(seed)
         block = DraftBlock(config)
+    d = cfg.hidden_size
     norm = getattr(getattr(model, "model", model), "norm", None)
-    if norm is not None:
-        with torch.no_grad():
-            block.output_norm.weight.copy_(norm.weight.detach().float())
+    # h = n * w for a unit-RMS n: the block's RMS-normed output times RMS(w) is h's scale.
+    scale = float(norm.weight.detach().float().pow(2).mean().sqrt()) if norm is not None else 1.0
+    with torch.no_grad():
+        block.fuse.weight.zero_()
+        block.fuse.weight[:, :d].copy_(torch.eye(d))
+        block.o_proj.weight.zero_()
+        block.down_proj.weight.zero_()
+        block.output_norm.weight.fill_(scale)
     return block
