@@ -44,3 +44,17 @@ def test_untied_projections_equal_to_the_tied_one_give_the_same_loss_and_touch_o
     for weight in untied:
         touched = set(torch.nonzero(weight.grad.abs().sum(-1)).flatten().tolist())
         assert touched == candidates
+
+
+def test_depth_decay_weighs_deeper_heads_less():
+    hidden, targets, teacher_ids, teacher_lp = example(seed=4)
+    projection = torch.randn(V, D)
+    kwargs = dict(num_negatives=8, kl_weight=0.5)
+    alike = mtp_losses(hidden, projection, targets, teacher_ids, teacher_lp,
+                       generator=torch.Generator().manual_seed(5), **kwargs)
+    decayed = mtp_losses(hidden, projection, targets, teacher_ids, teacher_lp, depth_decay=0.5,
+                         generator=torch.Generator().manual_seed(5), **kwargs)
+    per_head = [ce + 0.5 * kl for ce, kl in zip(alike.ce, alike.kl)]
+    assert abs(alike.total.item() - sum(per_head)) < 1e-4
+    assert abs(decayed.total.item() - sum(0.5 ** i * v for i, v in enumerate(per_head))) < 1e-4
+    assert decayed.ce == alike.ce  # the reported per-head losses stay unweighted

@@ -157,7 +157,7 @@ def test_clear_errors(tiny_smol_teacher, tmp_path):
 
 def test_training_continues_from_earlier_heads_of_the_same_shape_and_model(tiny_smol_teacher, tiny_smol_student,
                                                                             tmp_path):
-    from vllm_mtpspec.checkpoint import HeadsError, save_heads
+    from vllm_mtpspec.checkpoint import HeadsError, load_heads, save_heads
     from vllm_mtpspec.heads_init import init_heads
     from training.train import initial_heads
 
@@ -178,6 +178,15 @@ def test_training_continues_from_earlier_heads_of_the_same_shape_and_model(tiny_
                                   init_from=str(earlier_dir)), Path(tiny_smol_teacher))
     with pytest.raises(HeadsError, match="another model of the same shape"):
         initial_heads(config, Path(tiny_smol_student))
+    # An attention draft block trains further from its own directory; parallel heads are not one.
+    from vllm_mtpspec.heads_init import init_draft_block
+
+    block_dir = save_heads(init_draft_block(teacher.model, tiny_smol_teacher, num_heads=2, seed=5), tmp_path / "b")
+    as_block = dict(model=str(tiny_smol_teacher), head_kind="attention", num_heads=2, int2_group_size=None)
+    resumed = initial_heads(TrainConfig(**as_block, init_from=str(block_dir)), Path(tiny_smol_teacher))
+    torch.testing.assert_close(resumed.q_proj.weight, load_heads(block_dir).q_proj.weight)
+    with pytest.raises(TrainConfigError, match=r"its heads have \{'head_kind': 'parallel'\}"):
+        initial_heads(TrainConfig(**as_block, init_from=str(earlier_dir)), Path(tiny_smol_teacher))
 
 
 def test_unreachable_ray_address_is_a_clear_error(tmp_path):

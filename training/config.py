@@ -49,6 +49,7 @@ class TrainConfig:
     # on CPUs with native bf16 (AMX, avx512_bf16), slower on AVX2-only ones.
     bf16_autocast: bool = False
     kl_weight: float = 1.0
+    depth_loss_decay: float = 1.0              # head i's loss weighs this ** i (see losses.mtp_losses)
     mtp_weight: float = 1.0                    # lambda in L = L_KD + lambda * sum_i L_MTP(i)
     seed: int = 0
     # Ray
@@ -98,9 +99,8 @@ class TrainConfig:
                 raise TrainConfigError("head_kind='attention' projects through the target's LM head: set tied=true")
             if self.int2_group_size:
                 raise TrainConfigError("head_kind='attention' has no INT2 form yet: set int2_group_size to null")
-            if self.init_from:
-                raise TrainConfigError("init_from: training an attention draft block further is not built yet; "
-                                       "leave init_from unset")
+        if not 0.0 < self.depth_loss_decay <= 1.0:
+            raise TrainConfigError(f"depth_loss_decay={self.depth_loss_decay}: must lie in (0, 1] (1: every depth alike)")
         if self.max_train_shards is not None and self.max_train_shards < 1:
             raise TrainConfigError(f"max_train_shards={self.max_train_shards}: must be >= 1 (or null for all)")
 

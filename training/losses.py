@@ -38,8 +38,12 @@ def mtp_losses(
     *,
     num_negatives: int = 2048,
     kl_weight: float = 1.0,
+    depth_decay: float = 1.0,
     generator: torch.Generator | None = None,
 ) -> HeadLosses:
+    """depth_decay: head i's losses weigh depth_decay ** i in the total (1: all alike).
+    A chain keeps a deep draft only when every shallower one was right, so the shallow
+    heads are worth more (EAGLE-3 weighs depth i by 0.8 ** i)."""
     tied = isinstance(projection, torch.Tensor)
     vocab = (projection if tied else projection[0]).shape[0]
     cand = candidate_set(targets, teacher_ids, vocab, num_negatives, generator)       # [C]
@@ -62,7 +66,8 @@ def mtp_losses(
     denom = valid.sum(0).clamp_min(1)
     ce_head = (ce * valid).sum(0) / denom
     kl_head = (kl * valid).sum(0) / denom
-    total = (ce_head + kl_weight * kl_head).sum()
+    weights = depth_decay ** torch.arange(ce_head.shape[0], device=ce_head.device, dtype=ce_head.dtype)
+    total = (weights * (ce_head + kl_weight * kl_head)).sum()
     return HeadLosses(total, ce_head.tolist(), kl_head.tolist())
 
 

@@ -17,12 +17,13 @@ def _head_metrics(losses) -> dict:
 class PosthocModule(nn.Module):
     """Heads on the frozen target's recorded hidden states; batches are answer rows."""
 
-    def __init__(self, heads, *, lm_head: torch.Tensor, embed: torch.Tensor, num_negatives: int, kl_weight: float) -> None:
+    def __init__(self, heads, *, lm_head: torch.Tensor, embed: torch.Tensor, num_negatives: int, kl_weight: float,
+                 depth_decay: float = 1.0) -> None:
         super().__init__()
         self.heads = heads
         self.register_buffer("lm_head", lm_head, persistent=False)
         self.register_buffer("embed", embed, persistent=False)
-        self.num_negatives, self.kl_weight = num_negatives, kl_weight
+        self.num_negatives, self.kl_weight, self.depth_decay = num_negatives, kl_weight, depth_decay
 
     def trainable_parameters(self):
         return [p for p in self.heads.parameters() if p.requires_grad]
@@ -40,7 +41,7 @@ class PosthocModule(nn.Module):
         head_hidden = self.heads.hidden(batch["hidden"].to(device).float(), embeds)
         losses = mtp_losses(head_hidden, self.projection(), batch["targets"].to(device), batch["teacher_ids"].to(device),
                             batch["teacher_logprobs"].to(device), num_negatives=self.num_negatives,
-                            kl_weight=self.kl_weight, generator=generator)
+                            kl_weight=self.kl_weight, depth_decay=self.depth_decay, generator=generator)
         return losses.total, {"loss": losses.total.item(), **_head_metrics(losses)}
 
 
@@ -50,12 +51,13 @@ class BlockModule(nn.Module):
     every depth trains as drafting runs it (DraftBlock.unrolled: depth j reads depth
     j - 1's output and the answer's token there, the draft of a chain still right)."""
 
-    def __init__(self, heads, *, lm_head: torch.Tensor, embed: torch.Tensor, num_negatives: int, kl_weight: float) -> None:
+    def __init__(self, heads, *, lm_head: torch.Tensor, embed: torch.Tensor, num_negatives: int, kl_weight: float,
+                 depth_decay: float = 1.0) -> None:
         super().__init__()
         self.heads = heads
         self.register_buffer("lm_head", lm_head, persistent=False)
         self.register_buffer("embed", embed, persistent=False)
-        self.num_negatives, self.kl_weight = num_negatives, kl_weight
+        self.num_negatives, self.kl_weight, self.depth_decay = num_negatives, kl_weight, depth_decay
         # Answers come shuffled across all shards: every shard stays loaded once read
         # (a few GB for the whole data set) rather than being read again per answer.
         self._shards: dict[str, dict] = {}
@@ -98,7 +100,7 @@ class BlockModule(nn.Module):
         row_p = torch.cat([s["answer_rows"] for s in seqs]).to(device)
         losses = mtp_losses(stacked[row_b, row_p], self.lm_head, torch.cat(targets).to(device),
                             torch.cat(t_ids).to(device), torch.cat(t_lp).to(device), num_negatives=self.num_negatives,
-                            kl_weight=self.kl_weight, generator=generator)
+                            kl_weight=self.kl_weight, depth_decay=self.depth_decay, generator=generator)
         return losses.total, {"loss": losses.total.item(), **_head_metrics(losses)}
 
 

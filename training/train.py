@@ -82,7 +82,7 @@ def _build_module(loop_config: dict):
 
         embed, lm_head = embedding_and_lm_head(loop_config["model_dir"])
         return BlockModule(heads, lm_head=lm_head, embed=embed, num_negatives=loop_config["num_negatives"],
-                           kl_weight=loop_config["kl_weight"])
+                           kl_weight=loop_config["kl_weight"], depth_decay=loop_config["depth_loss_decay"])
     if loop_config["mode"] == "cotrain":
         from transformers import AutoModelForCausalLM
 
@@ -93,7 +93,7 @@ def _build_module(loop_config: dict):
 
     embed, lm_head = embedding_and_lm_head(loop_config["model_dir"])
     return PosthocModule(heads, lm_head=lm_head, embed=embed, num_negatives=loop_config["num_negatives"],
-                         kl_weight=loop_config["kl_weight"])
+                         kl_weight=loop_config["kl_weight"], depth_decay=loop_config["depth_loss_decay"])
 
 
 def train_loop_per_worker(loop_config: dict) -> None:
@@ -258,8 +258,9 @@ def initial_heads(config: TrainConfig, heads_base: Path):
     if heads.is_quantized:
         raise TrainConfigError(f"init_from={config.init_from}: INT2 heads cannot train further; "
                                "pass the full-precision heads directory")
-    asked = {"num_heads": config.num_heads, "tied": config.tied, "head_input": config.head_input,
-             "mlp_size": config.mlp_size}
+    asked = {"head_kind": config.head_kind, "num_heads": config.num_heads, "tied": config.tied}
+    if config.head_kind == "parallel":  # a draft block's shape is the model's layer, not these fields
+        asked.update(head_input=config.head_input, mlp_size=config.mlp_size)
     found = {key: getattr(heads.config, key) for key in asked}
     if found != asked:
         differ = sorted(key for key in asked if found[key] != asked[key])
