@@ -45,7 +45,7 @@ class PosthocModule(nn.Module):
         return losses.total, {"loss": losses.total.item(), **_head_metrics(losses)}
 
 
-class BlockModule(nn.Module):
+class BlockModule(PosthocModule):
     """An attention draft block on the frozen target's recorded states. Batches name
     answers (shard path, answer index); each is read with the prompt rows before it, and
     every depth trains as drafting runs it (DraftBlock.unrolled: depth j reads depth
@@ -53,17 +53,11 @@ class BlockModule(nn.Module):
 
     def __init__(self, heads, *, lm_head: torch.Tensor, embed: torch.Tensor, num_negatives: int, kl_weight: float,
                  depth_decay: float = 1.0) -> None:
-        super().__init__()
-        self.heads = heads
-        self.register_buffer("lm_head", lm_head, persistent=False)
-        self.register_buffer("embed", embed, persistent=False)
-        self.num_negatives, self.kl_weight, self.depth_decay = num_negatives, kl_weight, depth_decay
+        super().__init__(heads, lm_head=lm_head, embed=embed, num_negatives=num_negatives, kl_weight=kl_weight,
+                         depth_decay=depth_decay)
         # Answers come shuffled across all shards: every shard stays loaded once read
         # (a few GB for the whole data set) rather than being read again per answer.
         self._shards: dict[str, dict] = {}
-
-    def trainable_parameters(self):
-        return [p for p in self.heads.parameters() if p.requires_grad]
 
     def _shard(self, path: str) -> dict:
         if path not in self._shards:
