@@ -26,10 +26,11 @@ from pathlib import Path
 import torch
 
 from training.data import list_shards
-from training.evaluate import conditional_hits, draft_logits_along
+from training.evaluate import conditional_hits, draft_logits_along, replay_tree
 from vllm_mtpspec.checkpoint import load_heads
 from vllm_mtpspec.config import HeadsConfig
 from vllm_mtpspec.models import resolve_model
+from vllm_mtpspec.tree import chain_tree
 from vllm_mtpspec.weights import embedding_and_lm_head
 
 MAX_K = 6
@@ -44,19 +45,6 @@ def deeper(heads, depth: int):
     out = type(heads)(config)
     out.load_state_dict(heads.state_dict())
     return out.eval()
-
-
-def chain_lengths(top1: torch.Tensor, tokens: torch.Tensor, k: int) -> list[int]:
-    """Emitted tokens per step of a chain of k drafts replayed along one answer."""
-    lengths, r, n = [], 0, tokens.numel()
-    while r < n - 1:
-        right = 0
-        while right < k and r + right + 1 < n and int(top1[r, right]) == int(tokens[r + right + 1]):
-            right += 1
-        emitted = min(right + 1, n - 1 - r)
-        lengths.append(emitted)
-        r += emitted
-    return lengths
 
 
 @torch.no_grad()
@@ -77,7 +65,7 @@ def score(heads, shards, lm_head, embed) -> dict:
             hits += h
             asked += a
             for depth in lengths:
-                lengths[depth].extend(chain_lengths(top1, tokens, depth))
+                lengths[depth].extend(replay_tree(chain_tree(depth), top1[:, :depth], tokens))
     return {
         "conditional_top1": [round(float(h / max(a, 1)), 4) for h, a in zip(hits, asked)],
         "chain_accepted": {depth: round(sum(v) / max(len(v), 1), 4) for depth, v in lengths.items()},

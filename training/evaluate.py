@@ -54,7 +54,7 @@ def block_answer_logits(block, shard: dict, j: int, lm_head, embed, chunk: int =
     """answer_head_logits for an attention draft block: the answer is read with the prompt
     rows before it, every depth as drafting runs it along a chain that is still right."""
     from training.examples import ShardsError, answer_sequence, has_context_rows
-    from training.modules import pad_sequences
+    from training.modules import unroll_sequences
 
     if not has_context_rows(shard):
         raise ShardsError("an attention draft block is scored with the prompt rows before each answer, and these "
@@ -63,11 +63,7 @@ def block_answer_logits(block, shard: dict, j: int, lm_head, embed, chunk: int =
     project = block.lm_head_for(lm_head) if isinstance(lm_head, torch.Tensor) else lm_head
     k = block.num_heads
     seq = answer_sequence(shard, j)
-    batch = pad_sequences([seq], depth=k)
-    t = batch["features"].shape[1]
-    token_embeds = [embed[batch["tokens"][:, i:i + t]] for i in range(k)]
-    outputs = block.unrolled(batch["features"].float(), token_embeds, batch["positions"], batch["valid"])
-    states = torch.stack(outputs, 2)[0, seq["first_answer_row"]:]            # [n, k, d]
+    states = unroll_sequences(block, [seq], embed)[0, seq["first_answer_row"]:]  # [n, k, d]
     for start in range(0, states.shape[0], chunk):
         g = states[start:start + chunk]
         logits = project(g.reshape(-1, g.shape[-1])).view(g.shape[0], k, -1)

@@ -83,19 +83,23 @@ class BlockModule(PosthocModule):
             targets.append(torch.from_numpy(ex["targets"]))
             t_ids.append(torch.from_numpy(ex["teacher_ids"]))
             t_lp.append(torch.from_numpy(ex["teacher_logprobs"]))
-        batch_tensors = pad_sequences(seqs, depth=k)
-        features, tokens, positions, valid = (batch_tensors[key].to(device) for key in
-                                              ("features", "tokens", "positions", "valid"))
-        t = features.shape[1]
-        token_embeds = [self.embed[tokens[:, i:i + t]] for i in range(k)]  # depth i + 1 reads s_{p+i+1}
-        outputs = self.heads.unrolled(features.float(), token_embeds, positions, valid)
-        stacked = torch.stack(outputs, 2)                                   # [B, T, k, d]
+        stacked = unroll_sequences(self.heads, seqs, self.embed)            # [B, T, k, d]
         row_b = torch.cat([torch.full((len(s["answer_rows"]),), b) for b, s in enumerate(seqs)]).to(device)
         row_p = torch.cat([s["answer_rows"] for s in seqs]).to(device)
         losses = mtp_losses(stacked[row_b, row_p], self.lm_head, torch.cat(targets).to(device),
                             torch.cat(t_ids).to(device), torch.cat(t_lp).to(device), num_negatives=self.num_negatives,
                             kl_weight=self.kl_weight, depth_decay=self.depth_decay, generator=generator)
         return losses.total, {"loss": losses.total.item(), **_head_metrics(losses)}
+
+
+def unroll_sequences(block, seqs: list[dict], embed: torch.Tensor) -> torch.Tensor:
+    """answer_sequence()s through DraftBlock.unrolled: [B, T, k, d], every position's
+    chain (what training and the held-out scorer both read)."""
+    device = embed.device
+    batch = {key: value.to(device) for key, value in pad_sequences(seqs, depth=block.num_heads).items()}
+    t = batch["features"].shape[1]
+    token_embeds = [embed[batch["tokens"][:, i:i + t]] for i in range(block.num_heads)]  # depth i + 1 reads s_{p+i+1}
+    return torch.stack(block.unrolled(batch["features"].float(), token_embeds, batch["positions"], batch["valid"]), 2)
 
 
 def pad_sequences(seqs: list[dict], *, depth: int) -> dict[str, torch.Tensor]:
