@@ -336,8 +336,14 @@ def test_mixed_batch_of_tree_and_fallback_requests(model_dir, heads_dir, monkeyp
     expected, expected_logprobs = without_speculation()  # the engine is gone before the next starts
     llm = build(model_dir, speculative_config={"method": "mtpspec", "model": str(heads_dir), "tree": "consensus",
                                                **HEADS_FIXED_SIZE})
-    with caplog.at_level(logging.INFO, logger="vllm_mtpspec"):
-        (outputs, has_logprobs), stats = tree_stats_delta(lambda: run(llm))
+    # mtpspec's lines go where vLLM's go (vllm/logs.py), which do not propagate to the root.
+    ours = logging.getLogger("vllm.mtpspec")
+    ours.addHandler(caplog.handler)
+    try:
+        with caplog.at_level(logging.INFO, logger="vllm.mtpspec"):
+            (outputs, has_logprobs), stats = tree_stats_delta(lambda: run(llm))
+    finally:
+        ours.removeHandler(caplog.handler)
     close(llm)
     assert outputs == expected
     assert has_logprobs == expected_logprobs
@@ -457,3 +463,23 @@ def test_a_draft_blocks_caches_hold_every_accepted_position_and_nothing_else(mod
 def test_a_draft_block_with_a_tree_is_refused_at_start_up(model_dir, random_block_dir):
     with pytest.raises(Exception, match="head_kind='attention' drafts chains only so far.*tree='consensus'"):
         build(model_dir, speculative_config={"method": "mtpspec", "model": str(random_block_dir), "tree": "consensus"})
+
+
+def test_mtpspec_info_lines_reach_vllms_log_handler_in_a_vllm_process():
+    # vLLM's processes configure only the "vllm" logger, at its level: a logger outside it
+    # shows nothing below WARNING there (the draft planner's reasons, what was loaded).
+    import subprocess
+    import sys
+
+    script = ("import logging\n"
+              "from vllm.config.logging import LoggingConfig\n"
+              "from vllm.logger import configure_logging\n"
+              "configure_logging(LoggingConfig())  # as a vLLM process does at start-up\n"
+              "from vllm_mtpspec.vllm.logs import logger\n"
+              "logger.info('mtpspec: planner line')\n"
+              "logger.debug('mtpspec: below the level')\n")
+    env = {k: v for k, v in os.environ.items() if k != "VLLM_LOGGING_LEVEL"}
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300, env=env)
+    assert out.returncode == 0, out.stderr
+    assert "mtpspec: planner line" in out.stdout + out.stderr
+    assert "below the level" not in out.stdout + out.stderr

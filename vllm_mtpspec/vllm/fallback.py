@@ -7,9 +7,8 @@ such requests get a chain: vLLM verifies it with its own rejection sampler, exac
 """
 from __future__ import annotations
 
-import logging
+from vllm_mtpspec.vllm.logs import logger
 
-logger = logging.getLogger("vllm_mtpspec")
 
 _logged: set[str] = set()
 

@@ -24,13 +24,12 @@ from __future__ import annotations
 
 import functools
 import inspect
-import logging
 import time
 from dataclasses import dataclass
 
 from vllm_mtpspec.vllm.fallback import tree_blocker
+from vllm_mtpspec.vllm.logs import logger
 
-logger = logging.getLogger("vllm_mtpspec")
 
 _installed: set[str] = set()
 

@@ -25,7 +25,6 @@ the verify time they add, by step costs it measures while serving.
 from __future__ import annotations
 
 import dataclasses
-import logging
 import math
 import time
 from collections.abc import Callable
@@ -40,6 +39,7 @@ from vllm_mtpspec.draft_planner import Candidate, DraftPlanner
 from vllm_mtpspec.lookup import lookup_draft
 from vllm_mtpspec.tree import DraftTreeBuilder, TreeShape, chain_tree
 from vllm_mtpspec.vllm.fallback import log_fallback_once
+from vllm_mtpspec.vllm.logs import logger
 from vllm_mtpspec.vllm.platform_defaults import (default_backoff_start, default_draft_size, platform_blocker,
                                                   sampled_chains_verifier)
 from vllm_mtpspec.vllm.options import check_against_model, options_from_additional_config
@@ -48,8 +48,6 @@ from vllm_mtpspec.vllm.rows import last_sampled_rows
 from vllm_mtpspec.vllm.block_context import BlockContexts, ScheduledRows
 from vllm_mtpspec.vllm.tree_step import ProposedTree
 from vllm_mtpspec.vllm.version import require_supported_vllm
-
-logger = logging.getLogger("vllm_mtpspec")
 
 
 class MTPSpecProposer:
