@@ -133,7 +133,7 @@ class Machine:
     (confident on some text, unsure on other)."""
 
     def __init__(self, step_seconds, *, batch_size, depth=3, seed=0, modes=((0.7, 0.6, 0.5),), noise=0.03,
-                 heads_seconds=0.0):
+                 heads_seconds=0.0, proposal_seconds=0.0):
         self.step_seconds = step_seconds
         self.batch_size = batch_size
         self.depth = depth
@@ -141,6 +141,7 @@ class Machine:
         self.modes = modes
         self.noise = noise
         self.heads_seconds = heads_seconds
+        self.proposal_seconds = proposal_seconds  # searching contexts and planning, every proposal
         self.now = 0.0
 
     def candidates(self):
@@ -158,19 +159,23 @@ class Machine:
         req_ids = [f"r{i}" for i in range(self.batch_size)]
         emitted, verified = [1] * self.batch_size, None
         tokens = seconds = 0.0
-        heads_runs = 0
+        heads_runs = proposals = 0
         for step in range(steps):
             planner.observe_step(req_ids, emitted, verified, [False] * self.batch_size, timed=True)
             elapsed = 0.0
-            if planner.wants_heads(self.batch_size, False):
-                heads_runs += 1
-                candidates = self.candidates()
-                elapsed += self.heads_seconds
-                self.now += self.heads_seconds
-            else:
-                candidates = [None] * self.batch_size
-            lengths = planner.plan(req_ids, candidates, sampled=False,
-                                   drafting_seconds=self.heads_seconds if candidates[0] else 0.0)
+            candidates = [None] * self.batch_size
+            lengths = [0] * self.batch_size
+            if planner.wants_proposal(self.batch_size, False):
+                proposals += 1
+                elapsed += self.proposal_seconds
+                if planner.wants_heads(self.batch_size, False):
+                    heads_runs += 1
+                    candidates = self.candidates()
+                    elapsed += self.heads_seconds
+                lengths = planner.plan(req_ids, candidates, sampled=False,
+                                       drafting_seconds=self.heads_seconds if candidates[0] else 0.0)
+                planner.proposal_took(elapsed)
+                self.now += elapsed
             planner.verify_started()
             verify = self.step_seconds(self.batch_size + sum(lengths)) * (1 + self.rng.uniform(-self.noise, self.noise))
             self.now += verify
@@ -185,6 +190,7 @@ class Machine:
             if step >= steps // 2:
                 tokens += sum(emitted)
                 seconds += elapsed
+        self.proposals = proposals
         return tokens / seconds, heads_runs
 
 
@@ -234,6 +240,25 @@ def test_where_drafts_never_pay_the_heads_rest_except_to_check_again():
     planner = DraftPlanner(3, clock=lambda: machine.now, explore_every=32)
     _, heads_runs = machine.run(planner, 640)
     assert heads_runs <= 0.1 * 640  # the checks every explore_every steps, and the first runs
+
+
+def test_where_no_draft_pays_for_the_proposals_own_time_the_proposer_rests_and_checks_again():
+    # Many requests on a CPU: every query token costs, so drafts barely pay, while looking
+    # for them (every context searched, a plan made) costs 4% of a step.
+    step_seconds = lambda q: 0.01 * q  # noqa: E731
+    machine = Machine(step_seconds, batch_size=32, modes=((0.3, 0.1, 0.05),), proposal_seconds=0.0128)
+    planner = DraftPlanner(3, clock=lambda: machine.now, explore_every=32)
+    rate, _ = machine.run(planner, 640)
+    assert machine.proposals <= 0.1 * 640  # the first runs, then the checks every explore_every steps
+    assert rate >= 0.98 * best_fixed_rate(step_seconds, 32)  # the speed of drafting nothing, within its checks
+
+
+def test_where_drafts_pay_for_the_proposal_it_keeps_running():
+    step_seconds = lambda q: 0.05 + 0.0005 * (q - 1)  # noqa: E731
+    machine = Machine(step_seconds, batch_size=4, proposal_seconds=0.004)
+    planner = DraftPlanner(3, clock=lambda: machine.now)
+    machine.run(planner, 400)
+    assert machine.proposals == 400
 
 
 def test_the_long_run_plan_weighs_tokens_against_what_the_engine_makes_meanwhile():

@@ -298,6 +298,28 @@ def test_while_the_planner_rests_the_heads_only_lookup_drafts_are_offered(make_p
     assert drafts == [[7, 8, 9], []] and not calls
 
 
+def test_while_proposing_does_not_pay_no_context_is_searched_and_nothing_is_drafted(make_proposer, monkeypatch):
+    import numpy as np
+
+    import vllm_mtpspec.vllm.proposer as proposer_module
+
+    p, heads, model = make_proposer(draft_size="planned", prompt_lookup_max=3)
+    searched = []
+    monkeypatch.setattr(proposer_module, "lookup_draft", lambda *a, **k: searched.append(1) or [7, 8, 9])
+    token_ids = np.zeros((2, 16), dtype=np.int64)
+    proposing = [False]
+    p.planner.wants_proposal = lambda batch_size, sampled: proposing[0]
+    timed = []
+    p.planner.proposal_took = timed.append
+    p.capture_step(torch.randn(2, model.config.hidden_size), None, ["a", "b"], decode_only=True)
+    assert p.propose([[6], [14]], num_tokens_no_spec=np.array([9, 5]), token_ids_cpu=token_ids) == [[], []]
+    assert not searched and not timed
+    proposing[0] = True
+    p.capture_step(torch.randn(2, model.config.hidden_size), None, ["a", "b"], decode_only=True)
+    assert p.propose([[6], [14]], num_tokens_no_spec=np.array([9, 5]), token_ids_cpu=token_ids) == [[7, 8, 9]] * 2
+    assert len(searched) == 2 and len(timed) == 1 and timed[0] > 0
+
+
 def test_the_planner_learns_from_what_each_step_verified_and_how_long_it_took(make_proposer):
     p, _, model = make_proposer(draft_size="planned")
     now = [0.0]

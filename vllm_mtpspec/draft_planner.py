@@ -23,7 +23,10 @@ m drafts never grows with m, the best plan with D drafts is the D largest chance
 the batch, so one pass over D finds it; a request whose drafts are not worth it gets
 none. The heads themselves run while what their drafts add, on average over the steps
 of this kind of batch, is worth more than lambda times their own time; otherwise they
-rest, and every `explore_every` steps they run once more to check. Every `explore_every`
+rest, and every `explore_every` steps they run once more to check. The whole proposal
+(searching every context for prompt-lookup drafts, the heads, the plan) is gated the same
+way by what any drafts add against its whole time, so that where nothing pays (many
+requests on a CPU) the proposer costs what a rule that drafts nothing costs. Every `explore_every`
 plans the planner also tries a plan half a token per request larger or smaller than the
 best, so that the costs next to the chosen size stay measured. Which plan is taken never
 changes what is generated: verification is lossless for any drafts.
@@ -146,6 +149,36 @@ class LookupKeepRates:
             self._seen[m] = self._seen[m] * self.decay + 1.0
 
 
+class PayGate:
+    """Whether a piece of drafting work pays for itself, for one kind of batch: while what
+    it adds, on average over its runs, is worth more than the tokens the engine makes in its
+    own time (lambda times its seconds). Otherwise it rests, and runs once in every
+    `explore_every` steps to check again; its first `warmup_runs` runs are always made."""
+
+    def __init__(self, *, explore_every: int, warmup_runs: int, decay: float) -> None:
+        self.explore_every = explore_every
+        self.warmup_runs = warmup_runs
+        self.gain = DecayingMean(decay)      # tokens added per run
+        self.seconds = DecayingMean(decay)   # the work's own time per run
+        self.resting = 0                     # steps rested since it last paid
+
+    def record(self, gain: float, seconds: float) -> None:
+        self.gain.add(max(gain, 0.0))
+        self.seconds.add(seconds)
+
+    def pays(self, tokens_per_second: float) -> bool:
+        return self.gain.value > tokens_per_second * self.seconds.value
+
+    def wants(self, tokens_per_second: float | None) -> bool:
+        if tokens_per_second is None or self.gain.samples < self.warmup_runs:
+            return True
+        if self.pays(tokens_per_second):
+            self.resting = 0
+            return True
+        self.resting += 1
+        return self.resting % self.explore_every == 0
+
+
 @dataclass(frozen=True)
 class Candidate:
     """A request's draft as offered to the planner: where it came from, whether the request
@@ -178,6 +211,8 @@ class PlannerLog:
     tokens_per_second: float | None = None
     heads_gain: float | None = None      # tokens the heads' drafts add per run, on average
     heads_cost: float | None = None      # tokens the engine makes in the heads' own time
+    proposal_gain: float | None = None   # tokens any drafts add per proposal, on average
+    proposal_cost: float | None = None   # tokens the engine makes in the proposal's own time
 
 
 @dataclass
@@ -198,10 +233,10 @@ class DraftPlanner:
         Key = tuple[int, bool]
         self._tokens: dict[Key, DecayingMean] = {}       # tokens per step, decode-only steps
         self._seconds: dict[Key, DecayingMean] = {}      # their whole time, drafting included
-        self._heads_gain: dict[Key, DecayingMean] = {}   # what the heads' drafts added, in tokens
-        self._heads_seconds: dict[Key, DecayingMean] = {}
+        self._heads_gates: dict[Key, PayGate] = {}      # whether running the heads pays
+        self._proposal_gates: dict[Key, PayGate] = {}   # whether proposing anything pays
         self._plans: dict[Key, int] = {}                 # plans made per kind of batch
-        self._resting: dict[Key, int] = {}               # steps the heads have rested
+        self._proposal_gain: tuple[tuple[int, bool], float] | None = None  # the last plan's, until timed
         self.last = PlannerLog()
 
     # -- what the step that just ended showed -------------------------------------------------
@@ -253,19 +288,36 @@ class DraftPlanner:
         return tokens.value / seconds.value
 
     # -- this step's plan ----------------------------------------------------------------------
+    def _gate(self, gates: dict, batch_size: int, sampled: bool) -> PayGate:
+        key = StepCosts.key(batch_size, sampled)
+        if key not in gates:
+            gates[key] = PayGate(explore_every=self.explore_every, warmup_runs=self.warmup_steps,
+                                 decay=self.rate_decay)
+        return gates[key]
+
     def wants_heads(self, batch_size: int, sampled: bool) -> bool:
         """Whether to run the heads this step: while their drafts add more, on average, than
         the engine makes in their own time; else every explore_every steps, to check."""
-        key = StepCosts.key(batch_size, sampled)
-        gain, cost = self._heads_gain.get(key), self._heads_seconds.get(key)
+        return self._gate(self._heads_gates, batch_size, sampled).wants(self.tokens_per_second(batch_size, sampled))
+
+    def wants_proposal(self, batch_size: int, sampled: bool) -> bool:
+        """Whether to propose at all this step (look up, run the heads, plan): while the
+        drafts sent add more, on average, than the engine makes in the proposal's own time;
+        else every explore_every steps, to check."""
+        return self._gate(self._proposal_gates, batch_size, sampled).wants(
+            self.tokens_per_second(batch_size, sampled))
+
+    def proposal_took(self, seconds: float) -> None:
+        """Called when a proposal is done (its drafts planned): its whole time."""
+        if self._proposal_gain is None:
+            return
+        (batch_size, sampled), gain = self._proposal_gain
+        self._proposal_gain = None
+        gate = self._gate(self._proposal_gates, batch_size, sampled)
+        gate.record(gain, seconds)
         rate = self.tokens_per_second(batch_size, sampled)
-        if gain is None or cost is None or rate is None or gain.samples < self.warmup_steps:
-            return True
-        if gain.value > rate * cost.value:
-            self._resting[key] = 0
-            return True
-        self._resting[key] = self._resting.get(key, 0) + 1
-        return self._resting[key] % self.explore_every == 0
+        self.last.proposal_gain = gate.gain.value
+        self.last.proposal_cost = None if rate is None else rate * gate.seconds.value
 
     def plan(self, req_ids: Sequence[str], candidates: Sequence[Candidate | None], *, sampled: bool,
              drafting_seconds: float = 0.0) -> list[int]:
@@ -288,22 +340,30 @@ class DraftPlanner:
             wider = (self._plans[key] // self.explore_every) % 2 == 0
             plan = plan_drafts(keep, seconds, tokens_per_second=rate,
                                total=best.draft_tokens + (step if wider else -step))
+        heads = self._gate(self._heads_gates, batch, sampled)
         heads_ran = any(c is not None and c.source == "heads" for c in candidates)
-        if heads_ran and rate is not None:
-            # What the heads added: the best plan against the best without their drafts.
-            without = plan_drafts([k if c is not None and c.source == "lookup" else []
-                                   for k, c in zip(keep, candidates)], seconds, tokens_per_second=rate)
-            gain = (best.expected_tokens - rate * best.seconds) - (without.expected_tokens - rate * without.seconds)
-            self._heads_gain.setdefault(key, DecayingMean(self.rate_decay)).add(max(gain, 0.0))
-            self._heads_seconds.setdefault(key, DecayingMean(self.rate_decay)).add(drafting_seconds)
+        if rate is not None:
+            def worth(p: Plan) -> float:
+                return p.expected_tokens - rate * p.seconds
+
+            if heads_ran:
+                # What the heads added: the best plan against the best without their drafts.
+                without = plan_drafts([k if c is not None and c.source == "lookup" else []
+                                       for k, c in zip(keep, candidates)], seconds, tokens_per_second=rate)
+                heads.record(worth(best) - worth(without), drafting_seconds)
+            # What drafting added at all: the best plan against sending nothing.
+            self._proposal_gain = ((batch, sampled), worth(best) - worth(plan_drafts([[] for _ in keep], seconds,
+                                                                        tokens_per_second=rate)))
         for req, c, n in zip(req_ids, candidates, plan.lengths):
             if c is not None and n:
                 self._sent[req] = _Sent(c, n)
-        gain, cost = self._heads_gain.get(key), self._heads_seconds.get(key)
+        proposal = self._gate(self._proposal_gates, batch, sampled)
         self.last = PlannerLog(batch, sampled, plan.draft_tokens, plan.expected_tokens, plan.seconds,
                                curve.seconds(batch) or 0.0, explored, rate,
-                               None if gain is None else gain.value,
-                               None if cost is None or rate is None else rate * cost.value)
+                               heads.gain.value if heads.gain.samples else None,
+                               rate * heads.seconds.value if heads.gain.samples and rate is not None else None,
+                               proposal.gain.value if proposal.gain.samples else None,
+                               rate * proposal.seconds.value if proposal.gain.samples and rate is not None else None)
         return plan.lengths
 
     def keep_probs(self, candidate: Candidate) -> list[float]:
@@ -321,6 +381,9 @@ class DraftPlanner:
         if last.heads_gain is not None and last.heads_cost is not None:
             heads = (f"; the heads' drafts add {last.heads_gain:.2f} tokens a run against {last.heads_cost:.2f} made "
                      f"in their own time ({'running' if last.heads_gain > last.heads_cost else 'resting'})")
+        if last.proposal_gain is not None and last.proposal_cost is not None:
+            heads += (f"; any drafts add {last.proposal_gain:.2f} tokens a proposal against {last.proposal_cost:.2f} "
+                      f"made in its own time ({'proposing' if last.proposal_gain > last.proposal_cost else 'resting'})")
         if not last.draft_tokens:
             return (f"{last.batch_size} running requests ({kind}, engine at {rate}): drafting nothing; a step without "
                     f"drafts is measured at {1e3 * last.seconds_without_drafts:.1f} ms and no draft was expected to "

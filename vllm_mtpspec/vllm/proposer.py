@@ -20,7 +20,8 @@ tree size shrink for large batches, where verifying extra tokens stops being fre
 on CPUs). "learned": the draft-size controller (adaptive.py) starts from that rule and
 moves to the size with the most measured tokens per second. "planned": the draft planner
 (draft_planner.py) gives each request the drafts whose expected accepted tokens are worth
-the verify time they add, by step costs it measures while serving.
+the verify time they add, by step costs it measures while serving, and skips the whole
+proposal (lookup included) for kinds of batch where no drafts have paid for its time.
 """
 from __future__ import annotations
 
@@ -186,11 +187,13 @@ class MTPSpecProposer:
         """Half the tree nodes per doubling of the batch past batch_backoff_start."""
         return max(self.max_tree_budget >> self._doublings_past_backoff(num_requests), 1)
 
-    def _draft_size(self, sampled_token_ids, req_ids, live: set[str] | None) -> tuple[int, int]:
+    def _draft_size(self, sampled_token_ids, req_ids, live: set[str] | None,
+                    sampled: list[bool] | None = None) -> tuple[int, int]:
         """(chain depth, tree node budget) for this step; live: the set of req_ids."""
         num_requests = len(sampled_token_ids)
-        if self.planner is not None:  # the planner cuts each request's chain itself
-            return self.depth, 0
+        if self.planner is not None:  # the planner cuts each request's chain itself, or rests
+            proposing = self._rank_zero(lambda: self.planner.wants_proposal(num_requests, any(sampled or ())))
+            return (self.depth, 0) if proposing else (0, 0)
         if self.draft_sizes is None:
             return self.depth_for_batch(num_requests), self.tree_budget_for_batch(num_requests)
         drafted = self._drafted_batch
@@ -245,9 +248,10 @@ class MTPSpecProposer:
         live = None if req_ids is None else set(req_ids)
         if live is not None:
             self.proposed_trees = {r: t for r, t in self.proposed_trees.items() if r in live}
-        depth, budget = self._draft_size(sampled_token_ids, req_ids, live)
+        depth, budget = self._draft_size(sampled_token_ids, req_ids, live, sampled)
         if hidden_all is None or depth == 0:
             return drafts
+        proposing_started = time.perf_counter()
         pairs = last_sampled_rows(sampled_token_ids, self._num_draft_tokens, hidden_all.shape[0], self._tree_rows)
         if not pairs:
             return drafts
@@ -280,6 +284,7 @@ class MTPSpecProposer:
                 self.proposed_trees[req_ids[i]] = ProposedTree(shape, tuple(tokens))
         if self.planner is not None:
             chains = self._planned(chains, owners, sampled, time.perf_counter() - drafting_started if head_owners else 0.0)
+            self.planner.proposal_took(time.perf_counter() - proposing_started)
         for j, chain in chains.items():
             self._send_chain(owners[j], chain_tree(chain.length), list(chain.tokens[:chain.length]), drafts, req_ids)
         return drafts
