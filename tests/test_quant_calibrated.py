@@ -2,7 +2,7 @@
 import torch
 
 from vllm_mtpspec.quant import Int2Linear, dequantize_int2, quantize_int2
-from vllm_mtpspec.quant.calibrated import InputStatistics, gptq_int2, search_int2
+from vllm_mtpspec.quant.calibrated import InputStatistics, gptq_int2, refit_ranges, search_int2
 
 
 def correlated_inputs(n, dim, seed=0):
@@ -46,6 +46,38 @@ def test_search_and_gptq_cut_the_output_error_on_correlated_inputs():
     gptq = output_error(weight, gptq_int2(weight, stats.hessian, group_size=64), held_out)
     assert search < 0.9 * rtn, (search, rtn)
     assert gptq < 0.7 * rtn and gptq < search, (gptq, search, rtn)
+
+
+def test_refitted_ranges_keep_the_codes_and_cut_gptqs_output_error():
+    torch.manual_seed(0)
+    weight = torch.randn(64, 256) * 0.05
+    calibration, held_out = correlated_inputs(4096, 256, seed=1), correlated_inputs(2048, 256, seed=2)
+    stats = InputStatistics(256)
+    stats.add(calibration)
+    gptq = gptq_int2(weight, stats.hessian, group_size=64)
+    refit = refit_ranges(weight, stats.hessian, gptq)
+    assert torch.equal(refit.packed, gptq.packed) and refit.scales.dtype == torch.float16
+    assert not torch.equal(refit.scales, gptq.scales)
+    # On the calibration inputs no row errs more (the fit is least squares there, and a
+    # row whose rounded fit would err more keeps its ranges); on held-out inputs it errs less.
+    def row_errors(qw, x):
+        return ((x @ weight.T - x @ dequantize_int2(qw).T) ** 2).mean(0)
+    assert (row_errors(refit, calibration) <= row_errors(gptq, calibration) * (1 + 1e-6)).all()
+    assert output_error(weight, refit, held_out) < 0.97 * output_error(weight, gptq, held_out)
+
+
+def test_refitting_exact_ranges_changes_nothing():
+    # Weights that are exactly codes under fp16 ranges: those ranges are already the fit.
+    gen = torch.Generator().manual_seed(4)
+    codes = torch.randint(0, 4, (16, 128), generator=gen).float()
+    scales = (torch.rand(16, 2, 1, generator=gen) + 0.5).half().float()
+    mins = (torch.randn(16, 2, 1, generator=gen)).half().float()
+    weight = (codes.view(16, 2, 64) * scales + mins).view(16, 128)
+    rtn = quantize_int2(weight, group_size=64)
+    stats = InputStatistics(128)
+    stats.add(correlated_inputs(1024, 128))
+    refit = refit_ranges(weight, stats.hessian, rtn)
+    torch.testing.assert_close(dequantize_int2(refit), weight, atol=2e-3, rtol=0)
 
 
 def test_the_packed_weights_load_and_run_as_any_int2_linear():

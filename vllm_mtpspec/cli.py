@@ -124,7 +124,8 @@ def cmd_heads_quantize(args) -> int:
         raise QuantError(f"--method {args.method} needs --calibration: a folder of training shards (shard-*.pt, "
                          "written by the training job or python -m training.data)")
     if args.method == "rtn" and args.calibration:
-        raise QuantError("--calibration is only read by --method search or gptq; round-to-nearest (rtn) needs none")
+        raise QuantError("--calibration is only read by the calibrated methods (search, gptq, gptq-refit); "
+                         "round-to-nearest (rtn) needs none")
     heads = load_heads(args.dir)
     require_parallel(heads, args.dir, where="`mtpspec heads quantize`")
     statistics, described = None, None
@@ -394,12 +395,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("dir")
     p.add_argument("--bits", type=int, default=2, help="only 2 is supported")
     p.add_argument("--group-size", type=int, default=64, help="inputs per scale/minimum pair (multiple of 4; default 64)")
-    p.add_argument("--method", choices=("rtn", "search", "gptq"), default="rtn",
+    p.add_argument("--method", choices=("rtn", "search", "gptq", "gptq-refit"), default="rtn",
                    help="rtn: round each weight to the nearest code of its group's full range; search: per group, the "
                         "clipped range that errs least on the calibration inputs; gptq: quantize inputs in order and "
-                        "fold each one's error into the rest (GPTQ), with the searched ranges")
+                        "fold each one's error into the rest (GPTQ), with the searched ranges; gptq-refit: GPTQ's "
+                        "codes with every row's ranges refitted to them by least squares on the calibration inputs")
     p.add_argument("--calibration", default=None,
-                   help="search/gptq: a folder of training shards (shard-*.pt) whose hidden states and tokens are "
+                   help="search/gptq/gptq-refit: a folder of training shards (shard-*.pt) whose hidden states and tokens are "
                         "the heads' inputs")
     p.add_argument("--calibration-rows", type=int, default=32768, help="rows of the shards to read (default 32768)")
     p.add_argument("--model", default="smollm2-135m-instruct",

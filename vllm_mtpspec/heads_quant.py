@@ -15,7 +15,7 @@ from torch import nn
 
 from vllm_mtpspec.heads import MTPHeads
 from vllm_mtpspec.quant import quantize_int2
-from vllm_mtpspec.quant.calibrated import METHODS, InputStatistics, gptq_int2, search_int2
+from vllm_mtpspec.quant.calibrated import METHODS, InputStatistics, gptq_int2, refit_ranges, search_int2
 
 
 def head_linears(heads: MTPHeads) -> dict[str, nn.Linear]:
@@ -67,6 +67,7 @@ def quantize_heads(heads: MTPHeads, *, method: str = "rtn", group_size: int = 64
         hessian = statistics[name].hessian
         if method == "search":
             return search_int2(weight, hessian, group_size=group_size)
-        return gptq_int2(weight, hessian, group_size=group_size)
+        quantized = gptq_int2(weight, hessian, group_size=group_size)
+        return refit_ranges(weight, hessian, quantized) if method == "gptq-refit" else quantized
 
     return heads.quantized(group_size=group_size, int2=int2, method=method, calibration=calibration)

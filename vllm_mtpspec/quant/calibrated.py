@@ -11,7 +11,10 @@ per layer) the error of one output row is (w - q) H (w - q)^T.
 - "gptq": GPTQ (Frantar et al., 2022): the columns are quantized in order and each
   column's error is folded into the columns not yet quantized, along H's inverse, so later
   codes compensate earlier ones; each group's range is chosen (by the search above, on the
-  already compensated weights) when the sweep reaches it.
+  already compensated weights) when the sweep reaches it;
+- "gptq-refit": GPTQ's codes, then every row's scales and minimums refitted to them by
+  least squares on the output error with the whole H (the ranges GPTQ picked were chosen
+  group by group, before the codes after them existed).
 
 Given H = identity and no clipping, both reduce to round-to-nearest (tests check this).
 """
@@ -21,7 +24,7 @@ import torch
 
 from vllm_mtpspec.quant.int2 import LEVELS, Int2Weight, check_group_size, pack_codes
 
-METHODS = ("rtn", "search", "gptq")
+METHODS = ("rtn", "search", "gptq", "gptq-refit")
 # What a heads config may record: these, and "qat" (training/quantize_aware.py).
 RECORDED_METHODS = METHODS + ("qat",)
 # Fractions of a group's range cut from its bottom and its top.
@@ -151,3 +154,46 @@ def gptq_int2(weight: torch.Tensor, hessian: torch.Tensor, *, group_size: int = 
             errors[:, i] = error
         w[:, end:] -= errors @ h_inv[start:end, end:]
     return _pack(codes, scales, lows, in_features, group_size)
+
+
+def refit_ranges(weight: torch.Tensor, hessian: torch.Tensor, quantized: Int2Weight, *, rows_per_chunk: int = 64,
+                 ridge: float = 1e-6) -> Int2Weight:
+    """The same codes with each row's scales and minimums that make its output error
+    (w - q) H (w - q)^T least. q = A theta is linear in theta = (scales, minimums) of the
+    row's groups (A holds each input's code under its group's scale and a 1 under its
+    group's minimum), so theta solves (A^T H A) theta = A^T H w, one small system per row.
+    A row where the fp16-rounded fit errs more than the old ranges keeps the old ones."""
+    from vllm_mtpspec.quant.int2 import unpack_codes
+
+    out_features, in_features = weight.shape
+    group_size, padded_in = quantized.group_size, quantized.padded_in
+    groups = padded_in // group_size
+    h = torch.zeros(padded_in, padded_in, dtype=torch.float64)
+    h[:in_features, :in_features] = hessian.double()
+    w = torch.zeros(out_features, padded_in, dtype=torch.float64)
+    w[:, :in_features] = weight.double()
+    codes = unpack_codes(quantized.packed).double()                              # [out, padded_in]
+    member = torch.zeros(padded_in, groups, dtype=torch.float64)
+    member[torch.arange(padded_in), torch.arange(padded_in) // group_size] = 1.0
+    scales, mins = quantized.scales.clone(), quantized.mins.clone()
+
+    def error(values: torch.Tensor, rows: slice) -> torch.Tensor:
+        d = w[rows] - values
+        return ((d @ h) * d).sum(-1)
+
+    for start in range(0, out_features, rows_per_chunk):
+        rows = slice(start, min(start + rows_per_chunk, out_features))
+        a = torch.cat([codes[rows, :, None] * member, member.expand(codes[rows].shape[0], -1, -1)], dim=-1)
+        ha = h @ a                                                               # [r, in, 2G]
+        gram = a.transpose(1, 2) @ ha
+        gram += ridge * gram.diagonal(dim1=1, dim2=2).mean(-1)[:, None, None] * torch.eye(2 * groups, dtype=gram.dtype)
+        theta = torch.linalg.solve(gram, (ha.transpose(1, 2) @ w[rows, :, None]).squeeze(-1))
+        new_scales, new_mins = theta[:, :groups].half(), theta[:, groups:].half()
+        old_values = (codes[rows].view(-1, groups, group_size) * scales[rows].double()[..., None]
+                      + mins[rows].double()[..., None]).view(-1, padded_in)
+        new_values = (codes[rows].view(-1, groups, group_size) * new_scales.double()[..., None]
+                      + new_mins.double()[..., None]).view(-1, padded_in)
+        better = error(new_values, rows) < error(old_values, rows)
+        scales[rows] = torch.where(better[:, None], new_scales, scales[rows])
+        mins[rows] = torch.where(better[:, None], new_mins, mins[rows])
+    return Int2Weight(quantized.packed.clone(), scales, mins, in_features, group_size)
