@@ -1,4 +1,5 @@
 import json
+import shutil
 import subprocess
 import sys
 
@@ -153,3 +154,9 @@ def test_a_draft_block_is_made_inspected_and_scored_and_refused_where_it_cannot_
     printed = capsys.readouterr().out
     assert "11 positions" in printed and "top-1 when the heads before it were right" in printed
     assert "chain+lookup (prompt lookup's draft where found" in printed
+    shutil.copytree(tmp_path / "with-context", tmp_path / "second-source")
+    assert main(["eval-heads", "--model", str(tiny_smol_teacher), "--heads", str(out),
+                 "--prompts", f"{tmp_path / 'with-context'},{tmp_path / 'second-source'}"]) == 0
+    printed = capsys.readouterr().out
+    assert "22 positions" in printed and "[source with-context] rows 11" in printed
+    assert "[source second-source] rows 11" in printed

@@ -47,3 +47,23 @@ def test_scores_are_reported_per_context_length_bucket(tmp_path, tiny_model, tin
     assert set(buckets) == {"<=256", ">1024"}
     assert buckets["<=256"]["rows"] == lengths[0] - 1 and buckets[">1024"]["rows"] == lengths[1] - 1
     assert set(buckets[">1024"]["mean_accepted_len"]) == set(report["mean_accepted_len"])
+
+
+def test_scores_are_reported_per_source_folder(tmp_path, tiny_model, tiny_model_dir):
+    from training.data import write_shard
+    from training.evaluate import evaluate_heads
+    from vllm_mtpspec.heads_init import init_heads
+
+    d, vocab = tiny_model.config.hidden_size, tiny_model.config.vocab_size
+    for folder, n in (("first-turns", 10), ("later-turns", 16)):
+        write_shard(tmp_path / folder, 0, {"ids": ["a"], "categories": ["general"], "prompt_ids": [[1] * 8],
+                                           "offsets": torch.tensor([0, n]),
+                                           "tokens": torch.randint(0, vocab, (n,), dtype=torch.int32),
+                                           "hidden": torch.randn(n, d).half()})
+    heads = init_heads(tiny_model, tiny_model_dir, num_heads=2)
+    embed = tiny_model.get_input_embeddings().weight.detach()
+    shards = sorted(tmp_path.glob("*/shard-*.pt"))
+    report = evaluate_heads(heads, shards, lm_head=embed, embed=embed)
+    sources = report["per_source"]
+    assert {name: s["rows"] for name, s in sources.items()} == {"first-turns": 9, "later-turns": 15}
+    assert sources["later-turns"]["rows"] + sources["first-turns"]["rows"] == report["rows"]

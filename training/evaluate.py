@@ -144,6 +144,7 @@ def evaluate_heads(heads, shard_files: list[Path], *, lm_head: torch.Tensor, emb
     rows = torch.zeros(k)
     per_cat = defaultdict(lambda: torch.zeros(3, k))  # [top1, top5, count]
     per_len = defaultdict(lambda: torch.zeros(3, k))  # the same by context-length bucket
+    per_src = defaultdict(lambda: torch.zeros(3, k))  # and by source: the shards' folder
     nll = torch.zeros(k, len(TEMPERATURE_GRID))
     cond_hits, cond_asked = torch.zeros(k), torch.zeros(k)
     fitted_rows = [0] * k
@@ -151,7 +152,9 @@ def evaluate_heads(heads, shard_files: list[Path], *, lm_head: torch.Tensor, emb
     accepted = {name: [] for name in replays}
     accepted_cat = {name: defaultdict(list) for name in replays}
     accepted_len = {name: defaultdict(list) for name in replays}
+    accepted_src = {name: defaultdict(list) for name in replays}
     for file in shard_files:
+        source = Path(file).parent.name
         shard = torch.load(file, weights_only=True)
         offsets = shard["offsets"].tolist()
         for j, (start, end) in enumerate(zip(offsets[:-1], offsets[1:])):
@@ -173,7 +176,7 @@ def evaluate_heads(heads, shard_files: list[Path], *, lm_head: torch.Tensor, emb
                     match = cand == target[:, None]
                     hits[i] += match.sum(0).float()
                     rows[i] += valid.sum()
-                    for stats in (per_cat[category], per_len[bucket]):
+                    for stats in (per_cat[category], per_len[bucket], per_src[source]):
                         stats[0, i] += match[:, 0].sum()
                         stats[1, i] += match[:, :5].any(-1).sum()
                         stats[2, i] += valid.sum()
@@ -195,6 +198,7 @@ def evaluate_heads(heads, shard_files: list[Path], *, lm_head: torch.Tensor, emb
                 accepted[name].extend(lengths)
                 accepted_cat[name][category].extend(lengths)
                 accepted_len[name][bucket].extend(lengths)
+                accepted_src[name][source].extend(lengths)
                 if name == "chain" and "chain+lookup" in accepted:
                     context = np.asarray(list(shard["prompt_ids"][j]) + tokens.tolist())
                     first = len(shard["prompt_ids"][j])
@@ -206,6 +210,7 @@ def evaluate_heads(heads, shard_files: list[Path], *, lm_head: torch.Tensor, emb
                     accepted["chain+lookup"].extend(lengths)
                     accepted_cat["chain+lookup"][category].extend(lengths)
                     accepted_len["chain+lookup"][bucket].extend(lengths)
+                    accepted_src["chain+lookup"][source].extend(lengths)
     rank_accuracy = (hits / rows.clamp_min(1)[:, None])
     summary = {
         "rows": int(rows[0].item()),
@@ -218,6 +223,7 @@ def evaluate_heads(heads, shard_files: list[Path], *, lm_head: torch.Tensor, emb
         "tree_nodes": {name: len(shape) for name, shape in shapes.items()},
         "per_category": _per_group(per_cat, accepted_cat, k),
         "per_context_length": _per_group(per_len, accepted_len, k),
+        "per_source": _per_group(per_src, accepted_src, k),
     }
     if fit_temperatures:
         summary["temperatures"] = [TEMPERATURE_GRID[int(nll[i].argmin())] for i in range(k)]

@@ -305,8 +305,9 @@ def cmd_eval_heads(args) -> int:
     # A draft block reads the context: its shards carry the prompt rows too.
     context_rows = CONTEXT_ROWS if read_heads_config(args.heads).head_kind == "attention" else 0
     source = Path(args.prompts)
-    if source.is_dir():  # self-distillation shards already made
-        shards = list_shards(source)
+    folders = [Path(f) for f in args.prompts.split(",") if f]
+    if all(f.is_dir() for f in folders):  # self-distillation shards already made, one folder per source
+        shards = [shard for folder in folders for shard in list_shards(folder)]
     else:
         from vllm_mtpspec.prompts import load_prompts_jsonl
 
@@ -339,6 +340,9 @@ def cmd_eval_heads(args) -> int:
     for bucket, stats in report["per_context_length"].items():
         print(f"  [context {bucket} tokens] rows {stats['rows']}: top-1 {stats['top1']}, "
               f"accepted {stats['mean_accepted_len']}")
+    if len(report["per_source"]) > 1:
+        for name, stats in report["per_source"].items():
+            print(f"  [source {name}] rows {stats['rows']}: top-1 {stats['top1']}, accepted {stats['mean_accepted_len']}")
     return 0
 
 
@@ -467,7 +471,9 @@ def build_parser() -> argparse.ArgumentParser:
                                    "and consensus trees, per prompt category.")
     p.add_argument("--model", required=True, help="a known model name or a Hugging Face folder")
     p.add_argument("--heads", required=True, help="heads directory")
-    p.add_argument("--prompts", required=True, help="JSONL prompts, or a folder of self-distillation shards")
+    p.add_argument("--prompts", required=True,
+                   help="JSONL prompts, or folders of self-distillation shards separated by commas (one per source, "
+                        "reported apart)")
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--max-tree-nodes", type=int, default=16)
     p.add_argument("--limit", type=int, default=None, help="only the first N prompts")
