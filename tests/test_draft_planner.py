@@ -253,6 +253,21 @@ def test_where_no_draft_pays_for_the_proposals_own_time_the_proposer_rests_and_c
     assert rate >= 0.98 * best_fixed_rate(step_seconds, 32)  # the speed of drafting nothing, within its checks
 
 
+def test_heads_that_were_too_dear_for_a_while_come_back_when_they_pay_again():
+    # A stretch where the heads cost as much as a step (a busy machine): they rest, and with
+    # nothing else to draft the whole proposal rests too. Once they are cheap again, the
+    # proposal's checks run them and both come back.
+    step_seconds = lambda q: 0.05 + 0.0005 * (q - 1)  # noqa: E731
+    machine = Machine(step_seconds, batch_size=1, heads_seconds=0.08, proposal_seconds=0.0005)
+    planner = DraftPlanner(3, clock=lambda: machine.now, explore_every=32)
+    _, dear = machine.run(planner, 400)
+    assert dear < 0.25 * 400
+    machine.heads_seconds = 0.002
+    _, cheap_early = machine.run(planner, 1000)
+    _, cheap = machine.run(planner, 400)
+    assert cheap > 0.9 * 400, (dear, cheap_early, cheap)
+
+
 def test_where_drafts_pay_for_the_proposal_it_keeps_running():
     step_seconds = lambda q: 0.05 + 0.0005 * (q - 1)  # noqa: E731
     machine = Machine(step_seconds, batch_size=4, proposal_seconds=0.004)

@@ -161,6 +161,7 @@ class PayGate:
         self.gain = DecayingMean(decay)      # tokens added per run
         self.seconds = DecayingMean(decay)   # the work's own time per run
         self.resting = 0                     # steps rested since it last paid
+        self.checking = False                # the last `wants` is a run to check again
 
     def record(self, gain: float, seconds: float) -> None:
         self.gain.add(max(gain, 0.0))
@@ -170,13 +171,15 @@ class PayGate:
         return self.gain.value > tokens_per_second * self.seconds.value
 
     def wants(self, tokens_per_second: float | None) -> bool:
+        self.checking = False
         if tokens_per_second is None or self.gain.samples < self.warmup_runs:
             return True
         if self.pays(tokens_per_second):
             self.resting = 0
             return True
         self.resting += 1
-        return self.resting % self.explore_every == 0
+        self.checking = self.resting % self.explore_every == 0
+        return self.checking
 
 
 @dataclass(frozen=True)
@@ -275,6 +278,12 @@ class DraftPlanner:
                 for m in range(n):
                     calibration.observe(c.path_probs[m], m < kept)
 
+    def forget(self, req_id: str) -> None:
+        self._sent.pop(req_id, None)
+
+    def held_requests(self) -> set[str]:
+        return set(self._sent)
+
     def verify_started(self) -> None:
         """Called when the drafts are handed to vLLM: the verify step's clock starts."""
         self._verify_started = self.clock()
@@ -297,7 +306,11 @@ class DraftPlanner:
 
     def wants_heads(self, batch_size: int, sampled: bool) -> bool:
         """Whether to run the heads this step: while their drafts add more, on average, than
-        the engine makes in their own time; else every explore_every steps, to check."""
+        the engine makes in their own time; else every explore_every steps, to check. A
+        resting proposal checked again runs them too: what it adds is then measured whole
+        (with the heads resting as well, only lookup's gain would ever be seen)."""
+        if self._gate(self._proposal_gates, batch_size, sampled).checking:
+            return True
         return self._gate(self._heads_gates, batch_size, sampled).wants(self.tokens_per_second(batch_size, sampled))
 
     def wants_proposal(self, batch_size: int, sampled: bool) -> bool:
