@@ -42,6 +42,29 @@ def test_max_train_shards_takes_the_first_shards(tiny_smol_teacher, tiny_data):
         TrainConfig(max_train_shards=0)
 
 
+def test_several_sources_train_together_their_shards_interleaved(tiny_smol_teacher, tiny_data, tmp_path):
+    first, later = tmp_path / "first-turns", tmp_path / "later-turns"
+    config = TrainConfig(model=str(tiny_smol_teacher), train_data=[str(first), str(later)], held_out_data=None,
+                         train_answers=[str(tiny_data / "train" / "answers"), str(tiny_data / "held" / "answers")])
+    train, _ = ensure_data(config, Path(tiny_smol_teacher))
+    a, b = list_shards(first), list_shards(later)
+    assert len(a) == 2 and len(b) >= 1 and sorted(train) == sorted(a + b)
+    assert train[0] in (a[0], b[0]) and [p for p in train if p in a] == a  # each source's own order
+    assert {train[0].parent, train[1].parent} == {first, later}  # the sources take turns
+    with pytest.raises(TrainConfigError, match="one answers folder per train_data folder"):
+        TrainConfig(train_data=[str(first), str(later)], train_answers=[str(first)])
+    with pytest.raises(TrainConfigError, match="one answers folder per train_data folder"):
+        TrainConfig(train_data=str(first), train_answers=[str(first)])
+
+
+def test_interleaving_spreads_a_smaller_source_evenly():
+    from training.train import interleave
+
+    big, small = [Path(f"a{i}") for i in range(4)], [Path(f"b{i}") for i in range(2)]
+    assert [p.name for p in interleave([big, small])] == ["a0", "b0", "a1", "a2", "b1", "a3"]
+    assert interleave([big]) == big
+
+
 def test_data_shards_hold_answers_hidden_states_and_distributions(tiny_data):
     shard = torch.load(list_shards(tiny_data / "train")[0], weights_only=True)
     n = int(shard["offsets"][-1])

@@ -23,9 +23,11 @@ class TrainConfig:
     student: str | None = None                 # co-trained: the student model folder
     # Data: self-distillation shards, rebuilt from the answer files where those exist and
     # generated from `prompts` where they do not (answers default to <data folder>/answers).
-    train_data: str = "runs/sharegpt-sd/train"
+    # Several sources train together: train_data (and train_answers) as lists, paired in
+    # order; their shards are interleaved so that every stretch of training sees each.
+    train_data: str | list[str] = "runs/sharegpt-sd/train"
     held_out_data: str | None = "runs/sharegpt-sd/held-out"
-    train_answers: str | None = None
+    train_answers: str | list[str] | None = None
     held_out_answers: str | None = None
     prompts: str | None = None                 # JSONL / ShareGPT JSON / text, or "sharegpt"
     max_prompts: int | None = None
@@ -101,8 +103,25 @@ class TrainConfig:
                 raise TrainConfigError("head_kind='attention' has no INT2 form yet: set int2_group_size to null")
         if not 0.0 < self.depth_loss_decay <= 1.0:
             raise TrainConfigError(f"depth_loss_decay={self.depth_loss_decay}: must lie in (0, 1] (1: every depth alike)")
+        datas, answers = self.train_data, self.train_answers
+        if isinstance(answers, list) and (not isinstance(datas, list) or len(answers) != len(datas)):
+            raise TrainConfigError(f"train_answers has {len(answers)} folders and train_data "
+                                   f"{len(datas) if isinstance(datas, list) else 1}: give one answers folder per "
+                                   "train_data folder, in the same order (or leave train_answers out)")
+        if isinstance(datas, list) and (not datas or len(set(datas)) != len(datas)):
+            raise TrainConfigError(f"train_data={datas!r}: give one or more distinct folders")
+        if isinstance(datas, list) and self.prompts:
+            raise TrainConfigError("'prompts' makes the data of one train_data folder: give train_data as one "
+                                   "folder, or make each source's answers first (python -m training.data)")
         if self.max_train_shards is not None and self.max_train_shards < 1:
             raise TrainConfigError(f"max_train_shards={self.max_train_shards}: must be >= 1 (or null for all)")
+
+    @property
+    def train_sources(self) -> list[tuple[str, str | None]]:
+        """(shards folder, answers folder or None) of every training source."""
+        datas = self.train_data if isinstance(self.train_data, list) else [self.train_data]
+        answers = self.train_answers if isinstance(self.train_answers, list) else [self.train_answers] * len(datas)
+        return list(zip(datas, answers))
 
     @classmethod
     def from_file(cls, path: str | Path, **overrides: Any) -> "TrainConfig":

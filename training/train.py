@@ -176,7 +176,7 @@ def ensure_data(config: TrainConfig, model_dir: Path) -> tuple[list[Path], list[
     from training.data import answers_dir_for, generate_self_distillation, list_shards
     from training.examples import CONTEXT_ROWS
 
-    splits = [(config.train_data, config.train_answers, False)]
+    splits = [(data, answers, False) for data, answers in config.train_sources]
     if config.held_out_data:
         splits.append((config.held_out_data, config.held_out_answers, True))
     if config.prompts:
@@ -196,15 +196,23 @@ def ensure_data(config: TrainConfig, model_dir: Path) -> tuple[list[Path], list[
             shards_from_answers(model_dir, answers_dir_for(data, answers), data,
                                 max_files=None if held_out else config.max_train_shards,
                                 context_rows=CONTEXT_ROWS if config.head_kind == "attention" else 0)
-    train_shards = list_shards(config.train_data)
+    per_source = [list_shards(data) for data, _ in config.train_sources]
     held_shards = list_shards(config.held_out_data) if config.held_out_data else []
-    if not train_shards:
-        raise TrainConfigError(
-            f"train_data={config.train_data!r} holds no shard-*.pt files, train_answers holds no answer files and "
-            "no 'prompts' were given to make them: the data set is empty. Set 'prompts' (a JSONL file or "
-            "'sharegpt') or run python -m training.data"
-        )
-    return train_shards[: config.max_train_shards], held_shards
+    for (data, _), shards in zip(config.train_sources, per_source):
+        if not shards:
+            raise TrainConfigError(
+                f"train_data folder {data!r} holds no shard-*.pt files, its answers folder holds no answer files "
+                "and no 'prompts' were given to make them: the data set is empty. Set 'prompts' (a JSONL file or "
+                "'sharegpt') or run python -m training.data"
+            )
+    return interleave(per_source)[: config.max_train_shards], held_shards
+
+
+def interleave(lists: list[list[Path]]) -> list[Path]:
+    """One from each list in turn, each list's own order kept, spread evenly over the
+    longest (a source with half the shards comes every other turn)."""
+    keyed = [((i + 0.5) / len(shards), n, path) for n, shards in enumerate(lists) for i, path in enumerate(shards)]
+    return [path for _, _, path in sorted(keyed)]
 
 
 def _require_context_rows(shards: list[Path], config: TrainConfig) -> None:
@@ -212,11 +220,15 @@ def _require_context_rows(shards: list[Path], config: TrainConfig) -> None:
     train it on answers alone, unlike what it sees when drafting."""
     from training.examples import has_context_rows
 
-    if not has_context_rows(torch.load(shards[0], weights_only=True)):
-        raise TrainConfigError(
-            f"train_data={config.train_data!r}: {shards[0].name} carries no prompt rows (context_hidden), which "
-            "head_kind='attention' trains on; rebuild the shards with `python -m training.data --context-rows 512` "
-            "into a new folder and point train_data there")
+    first_of_each_folder = {}
+    for shard in shards:
+        first_of_each_folder.setdefault(shard.parent, shard)
+    for shard in first_of_each_folder.values():
+        if not has_context_rows(torch.load(shard, weights_only=True)):
+            raise TrainConfigError(
+                f"train_data: {shard} carries no prompt rows (context_hidden), which head_kind='attention' trains "
+                "on; rebuild the shards with `python -m training.data --context-rows 512` into a new folder and "
+                "point train_data there")
 
 
 def connect_ray(config: TrainConfig) -> None:
