@@ -460,6 +460,41 @@ def test_a_draft_blocks_caches_hold_every_accepted_position_and_nothing_else(mod
         torch.testing.assert_close(recorded, states[first:len(sequence) - 1], atol=2e-3, rtol=2e-3)
 
 
+def held_requests(worker) -> list[str]:
+    """For LLM.collective_rpc: the requests the proposer keeps any state for."""
+    return sorted(worker.model_runner.drafter.held_requests())
+
+
+@pytest.mark.parametrize("heads", ["shipped, consensus tree", "draft block, planned chains"])
+def test_finished_and_aborted_requests_leave_nothing_in_the_proposer(model_dir, heads_dir, random_block_dir, heads):
+    from vllm import SamplingParams
+
+    spec = ({"model": str(heads_dir), "tree": "consensus", **HEADS_FIXED_SIZE, "min_path_prob": 0.0}
+            if heads.startswith("shipped") else
+            {"model": str(random_block_dir), "num_speculative_tokens": 3, "draft_size": "planned"})
+    llm = build(model_dir, speculative_config={"method": "mtpspec", **spec})
+    engine = llm.llm_engine
+    # The engine's own ids: vLLM gives each request a unique suffix.
+    params = SamplingParams(max_tokens=160, temperature=0, ignore_eos=True)  # all still running midway
+    internal = {f"r{i}": engine.add_request(f"r{i}", prompt, params) for i, prompt in enumerate(PROMPTS[:6])}
+    for _ in range(8):
+        engine.step()
+    midway = llm.collective_rpc(held_requests)[0]
+    engine.abort_request(["r1", "r4"])
+    while engine.has_unfinished_requests():
+        engine.step()
+    for _ in range(2):  # the engine's loop runs on while finished requests are still to be freed
+        engine.step()
+    after = llm.collective_rpc(held_requests)[0]
+    close(llm)
+    # The proposer held state for requests in flight (a block's caches: for every one; the
+    # remembered trees: for those drafted in the last step).
+    assert midway and set(midway) <= set(internal.values())
+    if "block" in heads:
+        assert {internal["r1"], internal["r4"]} <= set(midway)
+    assert after == []
+
+
 def test_a_draft_block_with_a_tree_is_refused_at_start_up(model_dir, random_block_dir):
     with pytest.raises(Exception, match="head_kind='attention' drafts chains only so far.*tree='consensus'"):
         build(model_dir, speculative_config={"method": "mtpspec", "model": str(random_block_dir), "tree": "consensus"})

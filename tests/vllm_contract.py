@@ -154,6 +154,15 @@ CHECKS: tuple[Check, ...] = (
     Method("propose_draft_token_ids", RUNNER, "GPUModelRunner", "propose_draft_token_ids",
            ("scheduler_output", "sampled_token_ids", "sampling_metadata", "hidden_states", "sample_hidden_states",
             "aux_hidden_states", "spec_decode_metadata", "common_attn_metadata", "slot_mappings")),
+    # hooks.py 2b: finished and aborted requests
+    Method("_on_request_state_removed", RUNNER, "GPUModelRunner", "_on_request_state_removed", ("req_id", "req_state")),
+    SourceSays("every finished request goes through the hook", RUNNER, "GPUModelRunner._update_states",
+               ("for req_id in scheduler_output.finished_req_ids:", "self._on_request_state_removed(req_id"),
+               "MTPSpecProposer.forget drops a finished request's state there"),
+    # proposer.py reads this step's tokens from the CPU batch: only without async scheduling
+    SourceSays("custom_class runs without async scheduling", "config/vllm.py", "VllmConfig.__post_init__",
+               ("config.method not in get_args(EagleModelTypes)", "speculative decoding"),
+               "the proposer reads token_ids_cpu, which async scheduling fills with placeholders"),
     # hooks.py 3: the tree path
     Method("_prepare_inputs", RUNNER, "GPUModelRunner", "_prepare_inputs", ("scheduler_output",)),
     Method("_sample", RUNNER, "GPUModelRunner", "_sample", ("logits", "spec_decode_metadata")),

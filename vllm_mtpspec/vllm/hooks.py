@@ -10,6 +10,9 @@
    0.32 and 0.33) holds the hidden states that a `custom_class` proposer never receives:
    the wrapper hands them to our proposer, then calls vLLM's own method (and times it,
    for any proposer: benchmarks report the drafting share of step time).
+   GPUModelRunner._on_request_state_removed (vLLM's hook for request-scoped side caches,
+   called for every finished or aborted request, in empty steps too) tells the proposer
+   to drop what it holds for that request.
 3. Tree verification, three patches that act only on requests whose drafts are a tree
    the proposer sent (tree_step.py); every other request runs through vLLM unchanged:
    - GPUModelRunner._prepare_inputs: after vLLM lays out the step (slots from sequential
@@ -187,6 +190,25 @@ def install_hidden_state_hook() -> None:
 
     GPUModelRunner.propose_draft_token_ids = propose_draft_token_ids
     _installed.add("hidden_states")
+
+
+def install_finished_request_hook() -> None:
+    if "finished_requests" in _installed:
+        return
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    _require(GPUModelRunner, "_on_request_state_removed")
+    original = GPUModelRunner._on_request_state_removed
+
+    @functools.wraps(original)
+    def _on_request_state_removed(self, req_id, req_state):
+        forget = getattr(getattr(self, "drafter", None), "forget", None)
+        if forget is not None:
+            forget(req_id)
+        return original(self, req_id, req_state)
+
+    GPUModelRunner._on_request_state_removed = _on_request_state_removed
+    _installed.add("finished_requests")
 
 
 def _scheduled_rows(runner, arguments, req_ids: list[str]) -> "ScheduledRows | None":
@@ -395,4 +417,5 @@ def install_all() -> None:
         logger.warning("vllm-mtpspec: vLLM %s is not supported (0.32, 0.33); mtpspec is disabled", version)
         return
     install_hidden_state_hook()
+    install_finished_request_hook()
     install_tree_hooks()

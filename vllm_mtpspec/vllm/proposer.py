@@ -120,6 +120,23 @@ class MTPSpecProposer:
         self._drafted_batch: set[str] | None = None  # requests of the last drafted step
         self._last_size_log = time.monotonic()
 
+    def forget(self, req_id: str) -> None:
+        """A request finished or was aborted: nothing of it is kept."""
+        self.proposed_trees.pop(req_id, None)
+        if self.block_contexts is not None:
+            self.block_contexts.caches.pop(req_id, None)
+        if self.planner is not None:
+            self.planner.forget(req_id)
+
+    def held_requests(self) -> set[str]:
+        """The requests the proposer keeps any state for."""
+        held = set(self.proposed_trees)
+        if self.block_contexts is not None:
+            held |= set(self.block_contexts.caches)
+        if self.planner is not None:
+            held |= self.planner.held_requests()
+        return held
+
     def _budget_ladder(self) -> list[int]:
         largest = self.max_tree_budget
         return sorted({max(largest >> j, 1) for j in range(largest.bit_length())})
