@@ -73,7 +73,7 @@ def test_requests_extended_together_get_what_each_gets_alone():
     block.extend(caches[0], features[:5], embed[tokens[:5]])     # three requests at different lengths
     block.extend(caches[2], features[:9], embed[tokens[:9]])
     alone = [block.extend(c, f, e) for c, f, e in zip(
-        [c.__class__(c.keys.clone(), c.values.clone(), c.start) for c in caches],
+        [c.clone() for c in caches],
         [features[5:7], features[:3], features[9:10]], [embed[tokens[5:7]], embed[tokens[:3]], embed[tokens[9:10]]])]
     together = block.extend_many(caches, [features[5:7], features[:3], features[9:10]],
                                  [embed[tokens[5:7]], embed[tokens[:3]], embed[tokens[9:10]]])
@@ -101,7 +101,7 @@ def test_the_window_keeps_the_last_entries_only():
     for p in range(11):
         g = block.extend(cache, features[p:p + 1], embed[tokens[p:p + 1]])[-1]
         block.trim(cache)
-    assert cache.keys.shape[1] == window and cache.length == 11
+    assert cache.size == window and cache.length == 11
     # RoPE scores depend on distances only: the last `window` entries alone, anywhere, give the same.
     alone = unrolled_all(block, features[-window:], embed, tokens[11 - window:], 1, start_position=3)
     torch.testing.assert_close(g, alone[0][0, -1])
@@ -277,7 +277,7 @@ def test_drafted_chains_are_the_unrolled_pass_along_their_own_drafts_and_leave_t
         newest.append(block.extend(cache, features[:length], embed[tokens[:length]])[-1])
         caches.append(cache)
     logits = block.draft_chains(caches, torch.stack(newest), 4, lambda x: x @ lm_head.T, lambda t: embed[t])
-    assert [c.length for c in caches] == [7, 12] and [c.keys.shape[1] for c in caches] == [7, 12]
+    assert [c.length for c in caches] == [7, 12] and [c.size for c in caches] == [7, 12]
     for b, length in enumerate((7, 12)):
         drafted = logits[b].argmax(-1)
         # Depth j at the last position reads s_{p+j}: the real token, then the chain's own drafts.

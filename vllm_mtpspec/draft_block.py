@@ -56,16 +56,44 @@ def rope(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor
 
 @dataclass
 class BlockCache:
-    """One request's context entries: keys and values [kv_heads, n, head_dim] at positions
-    start .. start + n - 1 (older ones fall out of the window)."""
+    """One request's context entries at positions start .. start + size - 1.
+
+    keys and values are buffers [kv_heads, capacity, head_dim] whose slots offset ..
+    offset + size - 1 hold the entries: appending writes in place (the buffer doubles when
+    full), cutting entries off the end or the front only moves the bounds, so a draft that
+    appends its chain and truncates it again copies nothing of the context."""
     keys: torch.Tensor
     values: torch.Tensor
     start: int = 0
+    size: int = 0
+    offset: int = 0
 
     @property
     def length(self) -> int:
         """The position the next entry takes."""
-        return self.start + self.keys.shape[1]
+        return self.start + self.size
+
+    def held(self, first: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        """Views of the entries from the first-th held one on: keys, values [kv_heads, n, head_dim]."""
+        lo, hi = self.offset + first, self.offset + self.size
+        return self.keys[:, lo:hi], self.values[:, lo:hi]
+
+    def append(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+        n = keys.shape[1]
+        if self.offset + self.size + n > self.keys.shape[1]:
+            held_keys, held_values = self.held()
+            capacity = max(2 * (self.size + n), 16)
+            self.keys = keys.new_empty(keys.shape[0], capacity, keys.shape[2])
+            self.values = values.new_empty(values.shape[0], capacity, values.shape[2])
+            self.keys[:, :self.size], self.values[:, :self.size] = held_keys, held_values
+            self.offset = 0
+        end = self.offset + self.size
+        self.keys[:, end:end + n], self.values[:, end:end + n] = keys, values
+        self.size += n
+
+    def clone(self) -> "BlockCache":
+        keys, values = self.held()
+        return BlockCache(keys.clone(), values.clone(), self.start, self.size)
 
 
 class DraftBlock(DraftModule):
@@ -113,6 +141,18 @@ class DraftBlock(DraftModule):
         v = self.v_proj(h).view(b, t, cfg.kv_heads, cfg.head_dim).transpose(1, 2)
         pos = positions.unsqueeze(1)
         return rope(q, pos, cfg.rope_theta), rope(k, pos, cfg.rope_theta), v
+
+    def _grouped_attention(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                           seen: torch.Tensor) -> torch.Tensor:
+        """q [B, H, n, hd] over keys and values [B, KV, L, hd] where seen [B, n, L]: each
+        query group reads its key/value head in place (no copy per query head)."""
+        b, h, n, hd = q.shape
+        kv = keys.shape[1]
+        grouped = q.reshape(b, kv, (h // kv) * n, hd)                 # query head kv * G + g: group kv
+        scores = grouped @ keys.transpose(-1, -2) / math.sqrt(hd)      # [B, KV, G * n, L]
+        mask = seen[:, None, None].expand(b, kv, h // kv, n, seen.shape[-1]).reshape(b, kv, -1, seen.shape[-1])
+        weights = torch.softmax(scores.masked_fill(~mask, float("-inf")).float(), -1).to(q.dtype)
+        return (weights @ values).reshape(b, h, n, hd)
 
     def _expand_kv(self, kv: torch.Tensor) -> torch.Tensor:
         """[B, KV, ..., hd] -> [B, H, ..., hd]: each key/value head serves its query group."""
@@ -188,34 +228,34 @@ class DraftBlock(DraftModule):
         # Each request's visible keys: the newest window entries before its new ones, then those.
         keys, values, key_positions = [], [], []
         for b, cache in enumerate(caches):
-            first = max(0, cache.keys.shape[1] - cfg.window)
-            keys.append(torch.cat([cache.keys[:, first:], k[b, :, :lengths[b]]], 1))
-            values.append(torch.cat([cache.values[:, first:], v[b, :, :lengths[b]]], 1))
+            first = max(0, cache.size - cfg.window)
             key_positions.append(torch.arange(cache.start + first, cache.length + lengths[b], device=device))
-            cache.keys = torch.cat([cache.keys, k[b, :, :lengths[b]]], 1)
-            cache.values = torch.cat([cache.values, v[b, :, :lengths[b]]], 1)
+            cache.append(k[b, :, :lengths[b]], v[b, :, :lengths[b]])
+            held_keys, held_values = cache.held(first)
+            keys.append(held_keys)
+            values.append(held_values)
         width = max(kp.numel() for kp in key_positions)
-        padded = lambda t: F.pad(t, (0, 0, 0, width - t.shape[1]))  # noqa: E731
-        keys, values = torch.stack([padded(t) for t in keys]), torch.stack([padded(t) for t in values])
+        if len(caches) == 1:  # the cache's own views: nothing copied
+            keys, values = keys[0][None], values[0][None]
+        else:
+            padded = lambda t: F.pad(t, (0, 0, 0, width - t.shape[1]))  # noqa: E731
+            keys, values = torch.stack([padded(t) for t in keys]), torch.stack([padded(t) for t in values])
         key_pos = torch.stack([F.pad(kp, (0, width - kp.numel()), value=-1) for kp in key_positions])  # [B, L]
         seen = (key_pos[:, None, :] >= 0) & (key_pos[:, None, :] <= positions[:, :, None]) \
             & (key_pos[:, None, :] > positions[:, :, None] - cfg.window)                     # [B, n, L]
-        scale = 1.0 / math.sqrt(cfg.head_dim)
-        scores = (q @ self._expand_kv(keys).transpose(-1, -2) * scale).masked_fill(~seen[:, None], float("-inf"))
-        g = self._finish(x, torch.softmax(scores.float(), -1).to(q.dtype) @ self._expand_kv(values))
+        g = self._finish(x, self._grouped_attention(q, keys, values, seen))
         return [g[b, :lengths[b]] for b in range(len(caches))]
 
     @staticmethod
     def truncate(cache: BlockCache, length: int) -> None:
         """Forgets the entries from position `length` on (a drafted chain's, or recomputed ones)."""
-        keep = max(0, length - cache.start)
-        cache.keys, cache.values = cache.keys[:, :keep], cache.values[:, :keep]
+        cache.size = min(cache.size, max(0, length - cache.start))
 
     def trim(self, cache: BlockCache) -> None:
         """Drops the entries no future query can see (older than the window)."""
-        drop = max(0, cache.keys.shape[1] - self.block_config.window)
+        drop = max(0, cache.size - self.block_config.window)
         if drop:
-            cache.keys, cache.values, cache.start = cache.keys[:, drop:], cache.values[:, drop:], cache.start + drop
+            cache.offset, cache.size, cache.start = cache.offset + drop, cache.size - drop, cache.start + drop
 
     def draft_chains(self, caches: list[BlockCache], newest: torch.Tensor, depth: int, project, embed,
                      draft_ids: torch.Tensor | None = None) -> torch.Tensor:
