@@ -35,12 +35,18 @@ def test_unaligned_inputs_dequantize_like_round_to_nearest():
     assert torch.equal(dequantize_int2(qw), dequantize_int2(rtn))
 
 
-def test_search_and_gptq_cut_the_output_error_on_correlated_inputs():
+def correlated_layer():
+    """A random layer with its calibration inputs (and their statistics) and held-out inputs."""
     torch.manual_seed(0)
     weight = torch.randn(64, 256) * 0.05
     calibration, held_out = correlated_inputs(4096, 256, seed=1), correlated_inputs(2048, 256, seed=2)
     stats = InputStatistics(256)
     stats.add(calibration)
+    return weight, calibration, held_out, stats
+
+
+def test_search_and_gptq_cut_the_output_error_on_correlated_inputs():
+    weight, calibration, held_out, stats = correlated_layer()
     rtn = output_error(weight, quantize_int2(weight, group_size=64), held_out)
     search = output_error(weight, search_int2(weight, stats.hessian, group_size=64), held_out)
     gptq = output_error(weight, gptq_int2(weight, stats.hessian, group_size=64), held_out)
@@ -49,11 +55,7 @@ def test_search_and_gptq_cut_the_output_error_on_correlated_inputs():
 
 
 def test_refitted_ranges_keep_the_codes_and_cut_gptqs_output_error():
-    torch.manual_seed(0)
-    weight = torch.randn(64, 256) * 0.05
-    calibration, held_out = correlated_inputs(4096, 256, seed=1), correlated_inputs(2048, 256, seed=2)
-    stats = InputStatistics(256)
-    stats.add(calibration)
+    weight, calibration, held_out, stats = correlated_layer()
     gptq = gptq_int2(weight, stats.hessian, group_size=64)
     refit = refit_ranges(weight, stats.hessian, gptq)
     assert torch.equal(refit.packed, gptq.packed) and refit.scales.dtype == torch.float16
