@@ -165,6 +165,32 @@ def test_rows_of_several_heads_are_labelled_by_kind_draft_vocabulary_or_name(tin
     assert [m.speculative_config["model"] for m in methods] == [str(full), str(small), str(block)]
 
 
+def test_the_serving_benchmark_table_compares_each_level_with_vllm_alone():
+    from vllm_mtpspec.bench.serve_load import markdown_table
+
+    def row(server, c, rate, accept=None):
+        return {"server": server, "concurrency": c, "completed": 8, "failed": 0, "output_throughput": rate,
+                "spec_decode_acceptance_length": accept,
+                **{f"{s}_{m}_ms": 10.0 for s in ("mean", "median", "p99") for m in ("ttft", "tpot")}}
+
+    table = markdown_table([row("plain", 1, 20.0), row("mtpspec", 1, 30.0, 1.8), row("plain", 4, 50.0),
+                            row("mtpspec", 4, 40.0, 1.5)])
+    lines = table.splitlines()
+    assert "| 1 | mtpspec | 8 (0) | 30.0 | 1.50x |" in lines[3] and lines[3].endswith("| 1.80 |")
+    assert "| 4 | mtpspec | 8 (0) | 40.0 | 0.80x |" in lines[5]
+    assert "| 4 | plain | 8 (0) | 50.0 | 1.00x |" in lines[4]
+
+
+def test_vllms_command_line_runs_through_the_version_shim():
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-m", "vllm_mtpspec.vllm.serve", "bench", "serve",
+                           "--help=max-concurrency"], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "--max-concurrency MAX_CONCURRENCY" in done.stdout
+
+
 def test_a_long_later_turn_loses_its_oldest_exchanges_first_to_fit_the_budget():
     from transformers import AutoTokenizer
 

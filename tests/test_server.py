@@ -1,23 +1,14 @@
 """`mtpspec serve`: vLLM's OpenAI server with the shipped heads, on 127.0.0.1."""
 import json
-import os
-import signal
-import socket
-import subprocess
-import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import requests
 
+from vllm_mtpspec.bench.servers import running_server
+
 pytestmark = pytest.mark.slow
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def spec_counters(base: str) -> dict[str, float]:
@@ -31,40 +22,16 @@ def spec_counters(base: str) -> dict[str, float]:
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
+    from vllm_mtpspec.cli import shipped_heads_dir
     from vllm_mtpspec.models import fetch_model
 
     model = str(fetch_model("smollm2-135m-instruct", dtype="fp32"))
-    port = free_port()
-    log = open(tmp_path_factory.mktemp("server") / "server.log", "w")
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "vllm_mtpspec.cli", "serve", model, "--num-speculative-tokens", "3",
-         "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32", "--max-model-len", "1024",
-         "--kv-cache-memory-bytes", "128M", "--max-num-seqs", "16", "--enforce-eager"],
-        stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-        env={**os.environ, "VLLM_LOG_STATS_INTERVAL": "1"},
-    )
-    base = f"http://127.0.0.1:{port}"
-    deadline = time.time() + 300
-    while time.time() < deadline:
-        if proc.poll() is not None:
-            log.flush()
-            pytest.fail(f"server exited with {proc.returncode}: {open(log.name).read()[-3000:]}")
-        try:
-            if requests.get(f"{base}/health", timeout=2).status_code == 200:
-                break
-        except requests.ConnectionError:
-            pass
-        time.sleep(1)
-    else:
-        os.killpg(proc.pid, signal.SIGKILL)
-        pytest.fail("server did not become healthy in 300 s")
-    yield base, model
-    os.killpg(proc.pid, signal.SIGTERM)
-    try:
-        proc.wait(timeout=60)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-    log.close()
+    log = tmp_path_factory.mktemp("server") / "server.log"
+    args = ["--num-speculative-tokens", "3", "--dtype", "float32", "--max-model-len", "1024",
+            "--kv-cache-memory-bytes", "128M", "--max-num-seqs", "16", "--enforce-eager"]
+    with running_server("mtpspec", model, str(shipped_heads_dir()), log, args,
+                        env={"VLLM_LOG_STATS_INTERVAL": "1"}, ready_timeout=300) as started:
+        yield started.base_url, model
 
 
 def test_chat_stream_concurrency_and_metrics(server):

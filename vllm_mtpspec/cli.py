@@ -481,8 +481,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_eval_heads)
 
     from vllm_mtpspec.bench.command import add_parser as add_bench_parser
+    from vllm_mtpspec.bench.serve_load import add_parser as add_bench_serve_parser
 
     add_bench_parser(sub)
+    add_bench_serve_parser(sub)
 
     p = sub.add_parser("demo", help="the main job: SmolLM2-135M-Instruct in vLLM with the shipped heads, side by side "
                                     "with vLLM alone")

