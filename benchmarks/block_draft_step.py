@@ -15,7 +15,6 @@ import torch
 
 sys.path.insert(0, ".")
 from vllm_mtpspec.checkpoint import load_heads  # noqa: E402
-import vllm_mtpspec.draft_block as new  # noqa: E402
 
 parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
 parser.add_argument("--against", required=True, help="the commit whose draft_block.py is timed beside this tree's")
