@@ -6,18 +6,9 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import requests
 
-from vllm_mtpspec.bench.servers import running_server
+from vllm_mtpspec.bench.servers import running_server, server_metrics
 
 pytestmark = pytest.mark.slow
-
-
-def spec_counters(base: str) -> dict[str, float]:
-    counters = {}
-    for line in requests.get(f"{base}/metrics", timeout=10).text.splitlines():
-        if line.startswith("vllm:spec_decode_num") and not line.startswith("#"):
-            name, value = line.rsplit(" ", 1)
-            counters[name.split("{")[0]] = counters.get(name.split("{")[0], 0.0) + float(value)
-    return counters
 
 
 @pytest.fixture(scope="module")
@@ -36,7 +27,7 @@ def server(tmp_path_factory):
 
 def test_chat_stream_concurrency_and_metrics(server):
     base, model = server
-    before = spec_counters(base)
+    before = server_metrics(base)
     chat = requests.post(f"{base}/v1/chat/completions", timeout=120, json={
         "model": model, "messages": [{"role": "user", "content": "Name three colours."}],
         "max_tokens": 24, "temperature": 0})
@@ -61,7 +52,7 @@ def test_chat_stream_concurrency_and_metrics(server):
     assert all(tokens >= 1 for _, tokens in results)
 
     time.sleep(2)  # metrics are logged every second
-    after = spec_counters(base)
+    after = server_metrics(base)
     assert after["vllm:spec_decode_num_drafts_total"] > before.get("vllm:spec_decode_num_drafts_total", 0)
     assert after["vllm:spec_decode_num_accepted_tokens_total"] > before.get("vllm:spec_decode_num_accepted_tokens_total", 0)
 

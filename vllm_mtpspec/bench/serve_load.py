@@ -174,8 +174,8 @@ def _ms(r: dict, metric: str) -> str:
 
 def markdown_table(results: list[dict]) -> str:
     lines = ["| concurrency | server | prompts (failed) | output tok/s | speed-up | TTFT ms mean / p50 / p99 | "
-             "TPOT ms mean / p50 / p99 | acceptance length |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+             "TPOT ms mean / p50 / p99 | request latency ms mean / p50 / p99 | acceptance length |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for concurrency, pair in sorted(_by_level(results).items()):
         plain = pair.get("plain")
         for label in ("plain", "mtpspec"):
@@ -185,7 +185,7 @@ def markdown_table(results: list[dict]) -> str:
             speedup = f"{r['output_throughput'] / plain['output_throughput']:.2f}x" if plain else ""
             accept = r.get("spec_decode_acceptance_length")
             lines.append(f"| {concurrency} | {label} | {r['completed']} ({r['failed']}) | "
-                         f"{r['output_throughput']:.1f} | {speedup} | {_ms(r, 'ttft')} | {_ms(r, 'tpot')} | "
+                         f"{r['output_throughput']:.1f} | {speedup} | {_ms(r, 'ttft')} | {_ms(r, 'tpot')} | {_ms(r, 'e2el')} | "
                          f"{'' if accept is None else f'{accept:.2f}'} |")
     return "\n".join(lines)
 
@@ -197,12 +197,13 @@ def plot(results: list[dict], path: str) -> None:
     import matplotlib.pyplot as plt
 
     fig, (tpot, rate) = plt.subplots(1, 2, figsize=(10, 4))
-    for label, style in (("plain", "o-"), ("mtpspec", "s-")):
+    for label, style, color in (("plain", "o-", "tab:blue"), ("mtpspec", "s-", "tab:orange")):
         rows = sorted((r for r in results if r["server"] == label), key=lambda r: r["concurrency"])
         xs = [r["concurrency"] for r in rows]
-        tpot.plot(xs, [r["mean_tpot_ms"] for r in rows], style, label=f"{label} (mean)")
-        tpot.plot(xs, [r["p99_tpot_ms"] for r in rows], style, alpha=0.4, label=f"{label} (p99)")
-        rate.plot(xs, [r["output_throughput"] for r in rows], style, label=label)
+        tpot.plot(xs, [r["mean_tpot_ms"] for r in rows], style, color=color, label=f"{label} (mean)")
+        tpot.plot(xs, [r["p99_tpot_ms"] for r in rows], style, color=color, alpha=0.35, label=f"{label} (p99)")
+        rate.plot(xs, [r["output_throughput"] for r in rows], style, color=color, label=label)
+    tpot.set_yscale("log")  # p99 at the highest concurrency would flatten the rest
     for ax, title in ((tpot, "time per output token (ms)"), (rate, "output tokens per second")):
         ax.set_xscale("log", base=2)
         ax.set_xlabel("requests in flight")

@@ -48,6 +48,9 @@ class Server:
         except requests.RequestException:
             return False
 
+    def metrics(self) -> dict[str, float]:
+        return server_metrics(self.base_url)
+
     def stop(self, timeout: float = 60.0) -> None:
         if self.process.poll() is not None:
             return
@@ -57,6 +60,20 @@ class Server:
         except subprocess.TimeoutExpired:
             os.killpg(self.process.pid, signal.SIGKILL)
             self.process.wait(timeout=timeout)
+
+
+def server_metrics(base_url: str, timeout: float = 30.0) -> dict[str, float]:
+    """A server's Prometheus samples named vllm:* (counters and gauges), each summed over
+    its labels."""
+    import requests
+
+    found: dict[str, float] = {}
+    for line in requests.get(f"{base_url}/metrics", timeout=timeout).text.splitlines():
+        if line.startswith("vllm:"):
+            name, value = line.rsplit(" ", 1)
+            key = name.split("{")[0]
+            found[key] = found.get(key, 0.0) + float(value)
+    return found
 
 
 def serve_command(model: str, heads: str | None, port: int, vllm_args: list[str]) -> list[str]:
