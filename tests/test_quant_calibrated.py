@@ -143,7 +143,7 @@ def test_a_calibrated_method_without_calibration_is_refused(tiny_model, tiny_mod
         quantize_heads(make_heads(tiny_model, tiny_model_dir), method="awq")
 
 
-def test_the_shipped_int2_heads_are_the_shipped_heads_by_gptq(tmp_path):
+def test_the_shipped_int2_heads_are_the_shipped_heads_by_gptq_refit(tmp_path):
     from vllm_mtpspec.checkpoint import load_heads
     from vllm_mtpspec.cli import shipped_heads_dir, shipped_int2_heads_dir
 
@@ -152,7 +152,7 @@ def test_the_shipped_int2_heads_are_the_shipped_heads_by_gptq(tmp_path):
     assert int2_dir is not None and int2_dir.name == "smollm2-135m-instruct-int2"
     assert shipped_int2_heads_dir(tmp_path) is None  # other heads have no shipped INT2 form
     fp, int2 = load_heads(fp_dir), load_heads(int2_dir)
-    assert int2.is_quantized and int2.config.quantization.method == "gptq"
+    assert int2.is_quantized and int2.config.quantization.method == "gptq-refit"
     assert int2.config.base_model_fingerprint == fp.config.base_model_fingerprint
     assert (int2.config.num_heads, int2.config.mlp_size, int2.config.head_input) == \
         (fp.config.num_heads, fp.config.mlp_size, fp.config.head_input)

@@ -66,7 +66,7 @@ class TrainConfig:
     # Output
     out: str = "runs/heads"
     int2_group_size: int | None = 64           # also write an INT2 copy (None: don't)
-    int2_method: str = "rtn"                   # rtn, search or gptq (calibrated on the training shards)
+    int2_method: str = "rtn"                   # rtn, search, gptq or gptq-refit (calibrated on the training shards)
     quantize_aware_steps: int = 0              # > 0: GPTQ, then this many fake-quantized training steps
     int2_calibration_shards: int = 4           # training shards the calibrated INT2 copy reads
 
