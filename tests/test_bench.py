@@ -171,7 +171,8 @@ def test_the_serving_benchmark_table_compares_each_level_with_vllm_alone():
     def row(server, c, rate, accept=None):
         return {"server": server, "concurrency": c, "completed": 8, "failed": 0, "output_throughput": rate,
                 "spec_decode_acceptance_length": accept,
-                **{f"{s}_{m}_ms": 10.0 for s in ("mean", "median", "p99") for m in ("ttft", "tpot")}}
+                **{f"{s}_{m}_ms": 10.0 for s in ("mean", "median", "p99") for m in ("ttft", "tpot")},
+                "mean_e2el_ms": 900.0, "median_e2el_ms": 800.0, "p99_e2el_ms": 2000.0}
 
     table = markdown_table([row("plain", 1, 20.0), row("mtpspec", 1, 30.0, 1.8), row("plain", 4, 50.0),
                             row("mtpspec", 4, 40.0, 1.5)])
@@ -179,6 +180,7 @@ def test_the_serving_benchmark_table_compares_each_level_with_vllm_alone():
     assert "| 1 | mtpspec | 8 (0) | 30.0 | 1.50x |" in lines[3] and lines[3].endswith("| 1.80 |")
     assert "| 4 | mtpspec | 8 (0) | 40.0 | 0.80x |" in lines[5]
     assert "| 4 | plain | 8 (0) | 50.0 | 1.00x |" in lines[4]
+    assert "| 900.0 / 800.0 / 2000.0 |" in lines[4]  # request latency beside TTFT and TPOT
 
 
 def test_vllms_command_line_runs_through_the_version_shim():
