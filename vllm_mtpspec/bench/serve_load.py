@@ -185,7 +185,8 @@ def markdown_table(results: list[dict]) -> str:
             speedup = f"{r['output_throughput'] / plain['output_throughput']:.2f}x" if plain else ""
             accept = r.get("spec_decode_acceptance_length")
             lines.append(f"| {concurrency} | {label} | {r['completed']} ({r['failed']}) | "
-                         f"{r['output_throughput']:.1f} | {speedup} | {_ms(r, 'ttft')} | {_ms(r, 'tpot')} | {_ms(r, 'e2el')} | "
+                         f"{r['output_throughput']:.1f} | {speedup} | {_ms(r, 'ttft')} | {_ms(r, 'tpot')} | "
+                         f"{_ms(r, 'e2el')} | "
                          f"{'' if accept is None else f'{accept:.2f}'} |")
     return "\n".join(lines)
 

