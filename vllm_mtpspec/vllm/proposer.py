@@ -70,9 +70,9 @@ class MTPSpecProposer:
             hidden_size=hf_config.hidden_size,
             vocab_size=hf_config.vocab_size,
         )
-        if self.heads_config.head_kind == "attention" and self.options.tree != "chain":
-            raise ConfigError(f"{self.options.heads}/config.json: head_kind='attention' drafts chains only so far, "
-                              f"and tree={self.options.tree!r} was asked: use tree='chain'")
+        if self.heads_config.chains_only and self.options.tree != "chain":
+            raise ConfigError(f"{self.options.heads}/config.json: head_kind={self.heads_config.head_kind!r} drafts "
+                              f"chains only so far, and tree={self.options.tree!r} was asked: use tree='chain'")
         self.depth = wanted or self.heads_config.num_heads
         self.model_path = model_config.model
         self.dtype = model_config.dtype
@@ -268,7 +268,9 @@ class MTPSpecProposer:
         depth, budget = self._draft_size(sampled_token_ids, req_ids, live, sampled)
         if hidden_all is None or depth == 0:
             return drafts
-        proposing_started = time.perf_counter()
+        # The planner's own clock: what it compares drafting against is timed by it too.
+        clock = self.planner.clock if self.planner is not None else time.perf_counter
+        proposing_started = clock()
         pairs = last_sampled_rows(sampled_token_ids, self._num_draft_tokens, hidden_all.shape[0], self._tree_rows)
         if not pairs:
             return drafts
@@ -281,7 +283,7 @@ class MTPSpecProposer:
         if head_owners and self.planner is not None and not self._rank_zero(
                 lambda: self.planner.wants_heads(len(sampled_token_ids), any(sampled))):
             head_owners = []
-        drafting_started = time.perf_counter()
+        drafting_started = clock()
         if head_owners:
             if self.block_contexts is not None:
                 probs = self.block_contexts.chain_probs([owners[j] for j in head_owners], newest, req_ids, depth,
@@ -300,8 +302,8 @@ class MTPSpecProposer:
                 drafts[i] = tokens
                 self.proposed_trees[req_ids[i]] = ProposedTree(shape, tuple(tokens))
         if self.planner is not None:
-            chains = self._planned(chains, owners, sampled, time.perf_counter() - drafting_started if head_owners else 0.0)
-            self.planner.proposal_took(time.perf_counter() - proposing_started)
+            chains = self._planned(chains, owners, sampled, clock() - drafting_started if head_owners else 0.0)
+            self.planner.proposal_took(clock() - proposing_started)
         for j, chain in chains.items():
             self._send_chain(owners[j], chain_tree(chain.length), list(chain.tokens[:chain.length]), drafts, req_ids)
         return drafts
@@ -342,9 +344,8 @@ class MTPSpecProposer:
         hidden = hidden_all[torch.tensor([row for _, row in pairs], device=hidden_all.device)]
         token_ids = torch.tensor([sampled_token_ids[i][-1] for i, _ in pairs], device=hidden.device)
         embeds = self._embed(token_ids) if self.heads.config.token_conditioned else None
-        head_hidden = self.heads.hidden(hidden, embeds)[:, :depth]          # [B, depth, d]
-        logits = self.heads.project(head_hidden, self._lm_head).float()     # [B, depth, V]
-        return torch.softmax(logits / self._temperatures[:depth, None], dim=-1)
+        logits = self.heads.draft_logits(hidden, embeds, depth, self._lm_head, self._embed, self._draft_ids)
+        return torch.softmax(logits.float() / self._temperatures[:depth, None], dim=-1)  # [B, depth, V]
 
     def _send_chain(self, batch_index: int, shape: TreeShape, tokens: list[int], drafts, req_ids) -> None:
         drafts[batch_index] = tokens
