@@ -9,8 +9,12 @@ as they have; an attention block is applied again for every deeper draft, so it 
 any depth (past the depths it was trained on too).
 
 A draft step is what the drafter runs for one request: parallel heads' layers and one
-projection over all depths; the block's extension by one accepted entry, then one block
-step and one projection per deeper depth (over the draft vocabulary where the heads have one).
+projection over all depths; sequential heads' one layer and one projection per depth; the
+block's extension by one accepted entry, then one block step and one projection per deeper
+depth (over the draft vocabulary where the heads have one).
+
+Sequential heads (and the block) are scored along the answer's chain: each depth reads the
+answer's token before it, which is the draft whenever the chain is still right.
 
     python benchmarks/head_kinds.py --heads vllm_mtpspec/shipped_heads/smollm2-135m-instruct,runs/block-v1 \\
         --shards runs/sd-ctx/held-out --json benchmarks/results/head_kinds.json \\
@@ -89,7 +93,7 @@ def draft_step_ms(heads, lm_head, embed, repeats: int, context: int = 256) -> fl
         e = embed[token] if heads.config.token_conditioned else None
 
         def step():
-            heads.project(heads.hidden(h, e), project).argmax(-1)
+            heads.draft_logits(h, e, k, project, lambda t: embed[t], heads.draft_vocab).argmax(-1)
     step()
     times = []
     for _ in range(repeats):

@@ -119,19 +119,49 @@ def test_posthoc_job_two_workers_survives_a_killed_worker(tiny_smol_teacher, tin
         assert decoder.decode(ids, max_new_tokens=16).tokens == expected
 
 
-def test_cotrained_student_and_heads(tiny_smol_teacher, tiny_smol_student, tiny_data, tmp_path):
+@pytest.mark.parametrize("head_kind", ["parallel", "sequential"])
+def test_cotrained_student_and_heads(tiny_smol_teacher, tiny_smol_student, tiny_data, tmp_path, head_kind):
     config = TrainConfig(
         model=str(tiny_smol_teacher), mode="cotrain", student=str(tiny_smol_student),
         train_data=str(tiny_data / "train"), held_out_data=None, num_heads=2, epochs=8, batch_size=2,
         lr=3e-3, num_negatives=256, num_workers=1, storage_path=str(tmp_path / "ray"), name="cotrain",
-        checkpoint_every=100, out=str(tmp_path / "heads"), int2_group_size=None,
+        checkpoint_every=100, out=str(tmp_path / "heads"), int2_group_size=None, head_kind=head_kind,
+        head_input="hidden+token" if head_kind == "sequential" else "hidden",
     )
     summary = run_training(config)
     rows = [r for r in metrics(tmp_path / "ray" / "cotrain") if "kd" in r]
     assert rows[-1]["kd"] < rows[0]["kd"] and rows[-1]["mtp"] < rows[0]["mtp"], rows
     student = load_target(summary["student_dir"], dtype="fp32")
     heads = load_heads_for(student, summary["heads_dir"])  # fingerprinted to the trained student
-    assert heads.num_heads == 2
+    assert heads.num_heads == 2 and heads.config.head_kind == head_kind
+
+
+def test_sequential_heads_train_on_their_own_states_and_the_answers_tokens(tiny_smol_teacher, tiny_data, tmp_path):
+    from vllm_mtpspec.sequential_heads import SequentialHeads
+
+    config = TrainConfig(
+        model=str(tiny_smol_teacher), train_data=str(tiny_data / "train"), held_out_data=str(tiny_data / "held"),
+        head_kind="sequential", head_input="hidden+token", mlp_size=64, num_heads=3, epochs=6, batch_size=16,
+        lr=3e-3, num_negatives=256, storage_path=str(tmp_path / "ray"), name="sequential", checkpoint_every=100,
+        out=str(tmp_path / "heads"), int2_method="gptq",
+    )
+    summary = run_training(config)
+    losses = [r["loss"] for r in metrics(tmp_path / "ray" / "sequential") if "loss" in r]
+    assert losses[-1] < losses[0] * 0.9, losses
+    held_out = summary["held_out"]["fp32"]
+    # Scored along the answers' chains: per-depth conditional top-1 and the chain, no tree.
+    assert len(held_out["conditional_top1"]) == 3 and set(held_out["mean_accepted_len"]) == {"chain", "chain+lookup"}
+    assert json.loads((Path(summary["int2_dir"]) / "config.json").read_text())["quantization"]["method"] == "gptq"
+    target = load_target(str(tiny_smol_teacher), dtype="fp32")
+    ids = target.tokenizer.encode("Hello there", add_special_tokens=False)
+    expected = plain_greedy(target.model, ids, max_new_tokens=16, eos_token_ids=set())
+    for heads_dir in (summary["heads_dir"], summary["int2_dir"]):
+        heads = load_heads_for(target, heads_dir)
+        assert isinstance(heads, SequentialHeads)
+        decoder = ReferenceDecoder(target.model, HeadsDrafter(heads, target.model), SpecOptions(tree="chain"))
+        assert decoder.decode(ids, max_new_tokens=16).tokens == expected
+    with pytest.raises(TrainConfigError, match="head_kind='sequential' with head_input='hidden'.*hidden\\+token"):
+        TrainConfig(head_kind="sequential")
 
 
 def test_an_attention_draft_block_trains_on_answers_read_with_their_prompt_rows(tiny_smol_teacher, tiny_data,
@@ -210,6 +240,13 @@ def test_training_continues_from_earlier_heads_of_the_same_shape_and_model(tiny_
     torch.testing.assert_close(resumed.q_proj.weight, load_heads(block_dir).q_proj.weight)
     with pytest.raises(TrainConfigError, match=r"its heads have \{'head_kind': 'parallel'\}"):
         initial_heads(TrainConfig(**as_block, init_from=str(earlier_dir)), Path(tiny_smol_teacher))
+    # Sequential heads start from parallel heads: every depth a copy of their head 1.
+    seeded = initial_heads(TrainConfig(model=str(tiny_smol_teacher), num_heads=2, head_input="hidden+token",
+                                       mlp_size=32, head_kind="sequential", init_from=str(earlier_dir)),
+                           Path(tiny_smol_teacher))
+    assert seeded.config.head_kind == "sequential"
+    for block in seeded.blocks:
+        torch.testing.assert_close(block.weight, earlier.block.weight[:32])
 
 
 def test_unreachable_ray_address_is_a_clear_error(tmp_path):

@@ -539,3 +539,39 @@ def test_mtpspec_info_lines_reach_vllms_log_handler_in_a_vllm_process():
     assert out.returncode == 0, out.stderr
     assert "mtpspec: planner line" in out.stdout + out.stderr
     assert "below the level" not in out.stdout + out.stderr
+
+
+@pytest.fixture(scope="module")
+def sequential_heads_dir(heads_dir, tmp_path_factory):
+    """Sequential heads seeded from the shipped ones (every depth their head 1), drafting
+    among the 16,384 lowest token ids: the id map is exercised on every draft."""
+    import torch
+
+    from vllm_mtpspec.checkpoint import load_heads, save_heads
+    from vllm_mtpspec.sequential_heads import SequentialHeads
+
+    heads = SequentialHeads.from_parallel(load_heads(heads_dir, dtype=torch.float32))
+    return save_heads(heads.with_draft_vocab(torch.arange(16384)), tmp_path_factory.mktemp("sequential"))
+
+
+@pytest.mark.parametrize("engine", ["chunked+prefix-cache", "preempting"])
+def test_sequential_heads_keep_greedy_output_unchanged(model_dir, sequential_heads_dir, baseline, engine):
+    from vllm import LLM
+
+    config = ENGINE if engine == "chunked+prefix-cache" else {**ENGINE, "max_model_len": 256,
+                                                                "kv_cache_memory_bytes": 16 << 20, "block_size": 32}
+    llm = LLM(str(model_dir), **config, speculative_config={
+        "method": "mtpspec", "model": str(sequential_heads_dir), "num_speculative_tokens": 3, "prompt_lookup_max": 0,
+        "batch_backoff_start": 64})
+    outputs = greedy(llm)
+    preemptions = sum(m.value for m in llm.get_metrics() if m.name == "vllm:num_preemptions")
+    metrics = spec_metrics(llm)
+    close(llm)
+    assert outputs == baseline
+    assert metrics["vllm:spec_decode_num_accepted_tokens"] > 0
+    assert (preemptions > 0) == (engine == "preempting")
+
+
+def test_sequential_heads_with_a_tree_are_refused_at_start_up(model_dir, sequential_heads_dir):
+    with pytest.raises(Exception, match="head_kind='sequential' drafts chains only so far.*tree='dynamic'"):
+        build(model_dir, speculative_config={"method": "mtpspec", "model": str(sequential_heads_dir), "tree": "dynamic"})

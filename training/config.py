@@ -34,7 +34,7 @@ class TrainConfig:
     max_new_tokens: int = 256
     max_train_shards: int | None = None         # the first N shards only (same-budget comparisons)
     # Heads
-    head_kind: str = "parallel"                # "parallel" heads, or an "attention" draft block (draft_block.py)
+    head_kind: str = "parallel"                # "parallel" or "sequential" heads, or an "attention" draft block
     num_heads: int = 4                         # draft depths trained
     tied: bool = True
     head_input: str = "hidden"
@@ -101,6 +101,10 @@ class TrainConfig:
                 raise TrainConfigError("head_kind='attention' projects through the target's LM head: set tied=true")
             if self.int2_group_size:
                 raise TrainConfigError("head_kind='attention' has no INT2 form yet: set int2_group_size to null")
+        if self.head_kind == "sequential" and (self.head_input != "hidden+token" or not self.tied):
+            raise TrainConfigError(f"head_kind='sequential' with head_input={self.head_input!r}, tied={self.tied}: "
+                                   "each sequential depth reads the token drafted before it through the target's "
+                                   "embedding and LM head; set head_input='hidden+token' and tied=true")
         if not 0.0 < self.depth_loss_decay <= 1.0:
             raise TrainConfigError(f"depth_loss_decay={self.depth_loss_decay}: must lie in (0, 1] (1: every depth alike)")
         datas, answers = self.train_data, self.train_answers

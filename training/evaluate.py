@@ -17,6 +17,7 @@ import torch
 
 from vllm_mtpspec.heads import MTPHeads
 from vllm_mtpspec.lookup import lookup_draft
+from vllm_mtpspec.sequential_heads import chain_tokens
 from vllm_mtpspec.tree import TreeShape, build_static_shape
 
 # Context length (prompt tokens, the conversation so far for later turns) buckets reported apart.
@@ -43,9 +44,11 @@ def answer_head_logits(heads: MTPHeads, hidden, tokens, lm_head, embed, chunk: i
     answer's rows. lm_head: the target's [V, d] weight, or the heads' projection of it
     (MTPHeads.lm_head_for, made once by the caller)."""
     project = heads.lm_head_for(lm_head) if isinstance(lm_head, torch.Tensor) else lm_head
+    # Sequential heads read every depth's token: the answer's own, along a chain still right.
+    depth_tokens = chain_tokens(tokens.long(), heads.num_heads) if heads.config.head_kind == "sequential" else tokens
     for start in range(0, hidden.shape[0], chunk):
         h = hidden[start:start + chunk].float()
-        e = embed[tokens[start:start + chunk].long()] if heads.config.token_conditioned else None
+        e = embed[depth_tokens[start:start + chunk].long()] if heads.config.token_conditioned else None
         yield slice(start, start + h.shape[0]), heads.target_vocab_logits(heads(h, token_embeds=e, lm_head=project))
 
 
@@ -137,6 +140,8 @@ def evaluate_heads(heads, shard_files: list[Path], *, lm_head: torch.Tensor, emb
     heads = heads.float().eval()
     project = heads.lm_head_for(lm_head)
     k = heads.num_heads
+    if heads.config.chains_only:  # the logits are those along the answer's chain: no tree can be replayed
+        trees = tuple(name for name in trees if name == "chain")
     shapes = {name: build_static_shape(name, k, max_nodes=max_tree_nodes, rank_accuracy=heads.config.rank_accuracy)
               for name in trees}
     max_rank = max([RANKS] + [s.max_rank for s in shapes.values()])

@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 from training.losses import kd_loss, mtp_losses
+from vllm_mtpspec.sequential_heads import example_chain_tokens
 
 
 def _head_metrics(losses) -> dict:
@@ -37,7 +38,11 @@ class PosthocModule(nn.Module):
         device = self.lm_head.device
         batch = {key: torch.as_tensor(value) for key, value in batch.items()}
         token = batch["token"].to(device).long()
-        embeds = self.embed[token] if self.heads.config.token_conditioned else None
+        embeds = None
+        if self.heads.config.head_kind == "sequential":  # each depth reads the answer's token before it
+            embeds = self.embed[example_chain_tokens(token, batch["targets"].to(device), self.heads.num_heads)]
+        elif self.heads.config.token_conditioned:
+            embeds = self.embed[token]
         head_hidden = self.heads.hidden(batch["hidden"].to(device).float(), embeds)
         losses = mtp_losses(head_hidden, self.projection(), batch["targets"].to(device), batch["teacher_ids"].to(device),
                             batch["teacher_logprobs"].to(device), num_negatives=self.num_negatives,
@@ -177,7 +182,12 @@ class CotrainModule(nn.Module):
         student_logits = lm_head(hidden)                                       # [R, V]
         kd = kd_loss(student_logits, torch.cat(kd_ids).to(device), torch.cat(kd_lp).float().to(device),
                      torch.ones(hidden.shape[0], dtype=torch.bool, device=device))
-        embeds = self.student.get_input_embeddings()(torch.cat(tokens).to(device)) if self.heads.config.token_conditioned else None
+        embed = self.student.get_input_embeddings()
+        embeds = None
+        if self.heads.config.head_kind == "sequential":
+            embeds = embed(example_chain_tokens(torch.cat(tokens), torch.cat(targets), k).to(device))
+        elif self.heads.config.token_conditioned:
+            embeds = embed(torch.cat(tokens).to(device))
         head_hidden = self.heads.hidden(hidden, embeds)
         projection = lm_head.weight if self.heads.proj is None else [p.weight for p in self.heads.proj]
         losses = mtp_losses(head_hidden, projection, torch.cat(targets).to(device), torch.cat(t_ids).to(device),

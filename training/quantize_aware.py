@@ -20,6 +20,7 @@ from vllm_mtpspec.calibration_data import statistics_from_rows
 from vllm_mtpspec.heads_quant import head_linears, quantize_heads
 from vllm_mtpspec.quant import dequantize_int2
 from vllm_mtpspec.quant.fake_int2 import attach, pack
+from vllm_mtpspec.sequential_heads import example_chain_tokens
 
 logger = logging.getLogger("mtpspec.train")
 
@@ -29,6 +30,8 @@ def statistics_from_examples(heads: MTPHeads, examples: dict, embed: torch.Tenso
     rows = min(max_rows, len(examples["token"]))
     hidden = torch.as_tensor(examples["hidden"][:rows]).float()
     tokens = torch.as_tensor(examples["token"][:rows])
+    if heads.config.head_kind == "sequential":  # each depth's token, from the rows' own answers
+        tokens = example_chain_tokens(tokens, torch.as_tensor(examples["targets"][:rows]), heads.num_heads)
     chunks = ((hidden[i:i + 1024], tokens[i:i + 1024]) for i in range(0, rows, 1024))
     return statistics_from_rows(heads, chunks, embed=embed, lm_head=lm_head), rows
 

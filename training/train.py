@@ -265,13 +265,19 @@ def initial_heads(config: TrainConfig, heads_base: Path):
 
             return init_draft_block(base.model, heads_base, num_heads=config.num_heads, seed=config.seed)
         return init_heads(base.model, heads_base, num_heads=config.num_heads, tied=config.tied,
-                          head_input=config.head_input, mlp_size=config.mlp_size, init_std=0.0, seed=config.seed)
+                          head_input=config.head_input, mlp_size=config.mlp_size, init_std=0.0, seed=config.seed,
+                          head_kind=config.head_kind)
     heads = load_heads(config.init_from)
     if heads.is_quantized:
         raise TrainConfigError(f"init_from={config.init_from}: INT2 heads cannot train further; "
                                "pass the full-precision heads directory")
+    if config.head_kind == "sequential" and heads.config.head_kind == "parallel" and heads.config.tied:
+        from vllm_mtpspec.sequential_heads import SequentialHeads
+
+        logger.info("init_from=%s: parallel heads; every sequential depth starts as their head 1", config.init_from)
+        heads = SequentialHeads.from_parallel(heads)
     asked = {"head_kind": config.head_kind, "num_heads": config.num_heads, "tied": config.tied}
-    if config.head_kind == "parallel":  # a draft block's shape is the model's layer, not these fields
+    if config.head_kind != "attention":  # a draft block's shape is the model's layer, not these fields
         asked.update(head_input=config.head_input, mlp_size=config.mlp_size)
     found = {key: getattr(heads.config, key) for key in asked}
     if found != asked:

@@ -7,6 +7,7 @@ from pathlib import Path
 import torch
 
 from vllm_mtpspec.heads import MTPHeads
+from vllm_mtpspec.sequential_heads import chain_tokens
 
 
 def shard_files(shards_dir: str | Path) -> list[Path]:
@@ -37,12 +38,21 @@ def shard_rows(files: list[Path], max_rows: int, read: list[Path] | None = None)
 
 def statistics_from_rows(heads: MTPHeads, chunks, *, embed: torch.Tensor, lm_head: torch.Tensor):
     """Input statistics of every head matrix from (hidden [n, d], tokens [n]) chunks: the
-    tokens' embeddings feed token-conditioned heads, lm_head [V, d] untied projections."""
+    tokens' embeddings feed token-conditioned heads, lm_head [V, d] untied projections.
+    Sequential heads read each depth's token: tokens [n, k] gives them, tokens [n] has the
+    chunk's following tokens stand in (a chunk may end or cross an answer's end: a few rows
+    of inexact statistics, never a wrong draft)."""
     from vllm_mtpspec.heads_quant import input_statistics
 
     def batches():
         for hidden, tokens in chunks:
-            yield hidden, embed[tokens.long()] if heads.config.token_conditioned else None
+            if not heads.config.token_conditioned:
+                yield hidden, None
+            elif heads.config.head_kind == "sequential":  # every depth's token, along chains that are right
+                chains = tokens if tokens.dim() == 2 else chain_tokens(tokens, heads.num_heads)
+                yield hidden, embed[chains.long()]
+            else:
+                yield hidden, embed[tokens.long()]
 
     return input_statistics(heads.float(), batches(), lm_head=lambda x: x @ lm_head.T)
 

@@ -60,8 +60,12 @@ def cmd_heads_init(args) -> int:
             raise SystemExit("--kind attention projects through the model's LM head: drop --untied")
         heads = init_draft_block(target.model, target.model_dir, num_heads=args.num_heads, seed=args.seed)
     else:
+        if args.kind == "sequential" and (args.head_input != "hidden+token" or not args.tied):
+            raise SystemExit("--kind sequential: each depth reads the token drafted before it through the model's "
+                             "embedding and LM head; pass --head-input hidden+token and drop --untied")
         heads = init_heads(target.model, target.model_dir, num_heads=args.num_heads, tied=args.tied,
-                           head_input=args.head_input, mlp_size=args.mlp_size, init_std=args.init_std, seed=args.seed)
+                           head_input=args.head_input, mlp_size=args.mlp_size, init_std=args.init_std, seed=args.seed,
+                           head_kind=args.kind)
     out = save_heads(heads, args.out)
     print(out)
     return 0
@@ -113,7 +117,7 @@ def cmd_heads_info(args) -> int:
 
 
 def cmd_heads_quantize(args) -> int:
-    from vllm_mtpspec.checkpoint import load_heads, require_parallel, save_heads
+    from vllm_mtpspec.checkpoint import load_heads, require_mlp_heads, save_heads
 
     from vllm_mtpspec.heads_quant import quantize_heads
     from vllm_mtpspec.quant import QuantError
@@ -127,7 +131,7 @@ def cmd_heads_quantize(args) -> int:
         raise QuantError("--calibration is only read by the calibrated methods (search, gptq, gptq-refit); "
                          "round-to-nearest (rtn) needs none")
     heads = load_heads(args.dir)
-    require_parallel(heads, args.dir, where="`mtpspec heads quantize`")
+    require_mlp_heads(heads, args.dir, where="`mtpspec heads quantize`")
     statistics, described = None, None
     if args.method != "rtn":
         from vllm_mtpspec.calibration_data import heads_statistics_from_shards
@@ -197,6 +201,11 @@ def decode_prompts(target, heads, prompts, *, options, max_new_tokens: int, temp
     from vllm_mtpspec.reference import ReferenceDecoder, plain_greedy
 
     depth = options.depth_for(heads.config, source="--num-heads")
+    if heads.config.chains_only and options.tree != "chain":
+        from vllm_mtpspec.config import ConfigError
+
+        raise ConfigError(f"--tree {options.tree}: head_kind={heads.config.head_kind!r} drafts chains only so far "
+                          "(its deeper drafts read the shallower ones' tokens); use --tree chain")
     decoder = ReferenceDecoder(target.model, drafter_for(heads, target.model), options, depth=depth,
                                rank_accuracy=heads.config.rank_accuracy)
     rows = []
@@ -372,10 +381,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", required=True, help="a known model name or a Hugging Face folder")
     p.add_argument("--num-heads", type=int, default=4, help="k: how many tokens ahead the heads guess (default 4)")
     p.add_argument("--kind", choices=HEAD_KINDS, default="parallel",
-                   help="'parallel': one MLP head per depth on h_t (and the sampled token); 'attention': one "
-                        "transformer block shaped like the model's layers that attends over the context and is "
-                        "applied again for each deeper draft (--head-input, --mlp-size and --init-std are the "
-                        "parallel heads' own)")
+                   help="'parallel': one MLP head per depth on h_t (and the sampled token); 'sequential': one "
+                        "MLP per depth on the depth before's state and the token drafted from it (needs --head-input "
+                        "hidden+token; drafts chains only); 'attention': one transformer block shaped like the "
+                        "model's layers that attends over the context and is applied again for each deeper draft "
+                        "(--head-input, --mlp-size and --init-std are the MLP heads' own)")
     tied = p.add_mutually_exclusive_group()
     tied.add_argument("--tied", dest="tied", action="store_true", default=True, help="share the model's LM head (default; no vocab matrix)")
     tied.add_argument("--untied", dest="tied", action="store_false", help="one d x |V| projection per head (Medusa)")

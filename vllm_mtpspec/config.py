@@ -13,10 +13,14 @@ from typing import Any
 FORMAT_VERSION = 1
 
 HEAD_INPUTS = ("hidden", "hidden+token")
-# "parallel": every depth is an MLP on h_t and x_{t+1} (heads.py). "attention": one
-# transformer block with causal attention over the context's features, applied
-# recursively on its own output for deeper drafts (draft_block.py).
-HEAD_KINDS = ("parallel", "attention")
+# "parallel": every depth is an MLP on h_t and x_{t+1} (heads.py). "sequential": depth i
+# is an MLP on depth i - 1's state and the token drafted from it (sequential_heads.py).
+# "attention": one transformer block with causal attention over the context's features,
+# applied recursively on its own output for deeper drafts (draft_block.py).
+HEAD_KINDS = ("parallel", "sequential", "attention")
+# Kinds whose deeper drafts read the shallower ones' tokens: they draft chains (each
+# token of a tree would need its own deeper states).
+CHAIN_ONLY_HEAD_KINDS = ("sequential", "attention")
 TREE_PRESETS = ("chain", "consensus", "static", "dynamic")
 DRAFT_SIZES = ("fixed", "learned", "planned")
 
@@ -126,6 +130,12 @@ class HeadsConfig:
                               "target's LM head; set tied=true")
         if self.head_input not in HEAD_INPUTS:
             raise ConfigError(f"head_input={self.head_input!r}: choose one of {HEAD_INPUTS}")
+        if self.head_kind == "sequential" and not self.token_conditioned:
+            raise ConfigError(f"head_kind='sequential' with head_input={self.head_input!r}: a sequential head reads "
+                              "the token drafted before it; set head_input='hidden+token'")
+        if self.head_kind == "sequential" and not self.tied:
+            raise ConfigError("head_kind='sequential' with tied=false: sequential heads project each depth through "
+                              "the target's LM head; set tied=true")
         if self.mlp_size < 0:
             raise ConfigError(f"mlp_size={self.mlp_size}: must be >= 0 (0 = no hidden layer)")
         if not self.temperatures:
@@ -148,6 +158,11 @@ class HeadsConfig:
     @property
     def token_conditioned(self) -> bool:
         return self.head_input == "hidden+token"
+
+    @property
+    def chains_only(self) -> bool:
+        """Whether these heads draft chains only (no trees)."""
+        return self.head_kind in CHAIN_ONLY_HEAD_KINDS
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

@@ -22,7 +22,8 @@ class Drafter(Protocol):
 
 
 class HeadsDrafter:
-    """MTP heads over a Hugging Face causal LM (its embedding and LM head)."""
+    """MTP heads (parallel or sequential) over a Hugging Face causal LM (its embedding and
+    LM head); sequential heads' deeper logits are those along their own top-1 chain."""
 
     def __init__(self, heads: MTPHeads, model) -> None:
         self.heads = heads
@@ -36,7 +37,9 @@ class HeadsDrafter:
     @torch.no_grad()
     def head_logits(self, hidden: torch.Tensor, root_tokens: torch.Tensor) -> torch.Tensor:
         embeds = self._embed(root_tokens) if self.heads.config.token_conditioned else None
-        return self.heads.target_vocab_logits(self.heads(hidden, token_embeds=embeds, lm_head=self._lm_head))
+        logits = self.heads.draft_logits(hidden, embeds, self.num_heads, self._lm_head, self._embed,
+                                         self.heads.draft_vocab)
+        return self.heads.target_vocab_logits(logits)
 
 
 class BlockDrafter:

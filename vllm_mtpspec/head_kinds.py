@@ -10,5 +10,8 @@ def build_heads(config: HeadsConfig) -> DraftModule:
         from vllm_mtpspec.draft_block import DraftBlock
 
         return DraftBlock(config)
-    return MTPHeads(config)
+    if config.head_kind == "sequential":
+        from vllm_mtpspec.sequential_heads import SequentialHeads
 
+        return SequentialHeads(config)
+    return MTPHeads(config)

@@ -98,7 +98,7 @@ class MTPHeads(DraftModule):
                 return nn.Linear(n_in, n_out, bias=bias)
             return empty_int2_linear(n_in, n_out, group_size=quant.group_size, bias=bias)
 
-        self.block = linear(in_dim, k * width, bias=True)
+        self._build_input_layers(linear, in_dim, width)
         # With a hidden layer the down-projections start at zero (W keeps its random init,
         # or nothing would reach D's gradient); without one, W itself does.
         self.down: nn.ModuleList | None = None
@@ -113,14 +113,23 @@ class MTPHeads(DraftModule):
         if not config.tied:
             self.proj = nn.ModuleList(linear(d, vocab, bias=False) for _ in range(k))
 
+    def _build_input_layers(self, linear, in_dim: int, width: int) -> None:
+        """The matrices that read u: one [k * width, in] block, all heads in one matmul."""
+        self.block = linear(in_dim, self.config.num_heads * width, bias=True)
+
+    def input_layers(self) -> list[nn.Module]:
+        """The matrices that read the heads' inputs."""
+        return [self.block]
+
     def last_layers(self) -> list[nn.Module]:
-        """The matrices whose output is each head's change to h: zero makes the head the
-        LM head (the block without a hidden layer, the down-projections with one)."""
-        return [self.block] if self.down is None else list(self.down)
+        """The matrices whose output is each head's change to its input state: zero makes
+        the head the LM head (the input layers without a hidden layer, the
+        down-projections with one)."""
+        return self.input_layers() if self.down is None else list(self.down)
 
     @property
     def is_quantized(self) -> bool:
-        return isinstance(self.block, Int2Linear)
+        return isinstance(self.input_layers()[0], Int2Linear)
 
     def init_projections_from(self, lm_head_weight: torch.Tensor) -> None:
         """Untied heads start as copies of the target's LM head (Medusa's initialisation)."""
@@ -173,10 +182,18 @@ class MTPHeads(DraftModule):
         """Head logits [..., k, V] (raw: divide by `temperatures` for calibrated probabilities)."""
         return self.project(self.hidden(h, token_embeds), lm_head)
 
+    def draft_logits(self, h: torch.Tensor, root_embeds: torch.Tensor | None, depth: int, lm_head: LMHead,
+                     embed: Callable[[torch.Tensor], torch.Tensor] | None = None,
+                     draft_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """What drafting reads: logits [B, depth, N] of the first `depth` heads from h [B, d]
+        and the embeddings of the tokens h produced. Parallel heads ignore their own
+        guesses, so `embed` and `draft_ids` (what sequential heads use to read them) are
+        not needed here."""
+        return self.project(self.hidden(h, root_embeds)[:, :depth], lm_head)
+
     def _param_dtype(self) -> torch.dtype:
-        if self.is_quantized:
-            return self.block.bias.dtype
-        return self.block.weight.dtype
+        first = self.input_layers()[0]
+        return first.bias.dtype if self.is_quantized else first.weight.dtype
 
     def quantized(self, *, group_size: int = 64, int2=None, method: str = "rtn",
                   calibration: str | None = None) -> "MTPHeads":
@@ -189,9 +206,7 @@ class MTPHeads(DraftModule):
 
         config = HeadsConfig.from_dict({**self.config.to_dict(), "quantization": None})
         config.quantization = QuantConfig(bits=2, group_size=group_size, method=method, calibration=calibration)
-        out = MTPHeads.__new__(MTPHeads)
-        nn.Module.__init__(out)
-        out.config = config
+        out = type(self)(config)  # every matrix an empty Int2Linear, filled below
 
         def quantize(linear: nn.Linear) -> Int2Linear:
             if int2 is None:
@@ -199,15 +214,13 @@ class MTPHeads(DraftModule):
             bias = None if linear.bias is None else linear.bias.detach().float().clone()
             return Int2Linear(int2(linear), bias)
 
-        def each(linears: nn.ModuleList | None) -> nn.ModuleList | None:
-            return None if linears is None else nn.ModuleList(quantize(p) for p in linears)
-
-        out.block = quantize(self.block)
-        out.down = each(self.down)
-        out.proj = each(self.proj)
-        out.register_buffer("temperatures", self.temperatures.clone(), persistent=False)
+        for name, linear in self.named_modules():
+            if isinstance(linear, nn.Linear):
+                parent, _, attribute = name.rpartition(".")
+                setattr(out.get_submodule(parent), attribute, quantize(linear))
+        out.temperatures = self.temperatures.clone()
         if self.draft_vocab is not None:
-            out.register_buffer("draft_token_ids", self.draft_vocab.clone())
+            out.draft_token_ids = self.draft_vocab.clone()
         return out
 
 

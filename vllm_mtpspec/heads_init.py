@@ -7,6 +7,7 @@ import torch
 
 from vllm_mtpspec.checkpoint import model_fingerprint
 from vllm_mtpspec.config import HeadsConfig
+from vllm_mtpspec.head_kinds import build_heads
 from vllm_mtpspec.heads import MTPHeads
 
 
@@ -37,16 +38,18 @@ def init_heads(
     mlp_size: int = 0,
     init_std: float = 0.0,
     seed: int = 0,
+    head_kind: str = "parallel",
 ) -> MTPHeads:
-    """Heads that start as the model's LM head: their last matrix is zero (Medusa;
-    init_std > 0 draws it at random) and, when untied, their projections are copies of
-    the LM head."""
+    """Parallel or sequential heads that start as the model's LM head: their last matrix
+    is zero (Medusa; init_std > 0 draws it at random) and, when untied, their projections
+    are copies of the LM head."""
     cfg = model.config
     config = HeadsConfig(
         num_heads=num_heads,
         hidden_size=cfg.hidden_size,
         vocab_size=cfg.vocab_size,
         tied=tied,
+        head_kind=head_kind,
         head_input=head_input,
         mlp_size=mlp_size,
         embed_scale=embedding_scale(model) if head_input == "hidden+token" else 1.0,
@@ -56,7 +59,7 @@ def init_heads(
     )
     with torch.random.fork_rng():  # the hidden layer's random init: same seed, same heads
         torch.manual_seed(seed)
-        heads = MTPHeads(config)
+        heads = build_heads(config)
     if init_std > 0:
         generator = torch.Generator().manual_seed(seed)
         with torch.no_grad():

@@ -3,8 +3,9 @@ inputs (quant/calibrated.py).
 
 Calibration runs the full-precision heads on rows of the target's hidden states and the
 sampled tokens (self-distillation shards: what the heads see when drafting) and keeps,
-for every matrix, the second moment of what it is fed: the block reads u = [h; s e], each
-hidden-layer projection D_i its head's activations, each untied projection its head's state.
+for every matrix, the second moment of what it is fed: the block reads u = [h; s e] (a
+sequential head's block_i its own u_i), each hidden-layer projection D_i its head's
+activations, each untied projection its head's state.
 """
 from __future__ import annotations
 
@@ -14,17 +15,14 @@ import torch
 from torch import nn
 
 from vllm_mtpspec.heads import MTPHeads
-from vllm_mtpspec.quant import quantize_int2
+from vllm_mtpspec.quant import Int2Linear, quantize_int2
 from vllm_mtpspec.quant.calibrated import METHODS, InputStatistics, gptq_int2, refit_ranges, search_int2
 
 
-def head_linears(heads: MTPHeads) -> dict[str, nn.Linear]:
-    """Every matrix of the heads by its state-dict prefix ("block", "down.0", "proj.1", ...)."""
-    found = {"block": heads.block}
-    for family in ("down", "proj"):
-        for i, linear in enumerate(getattr(heads, family) or []):
-            found[f"{family}.{i}"] = linear
-    return found
+def head_linears(heads: MTPHeads) -> dict[str, nn.Module]:
+    """Every matrix of the heads (full-precision or INT2) by its state-dict prefix ("block"
+    or "blocks.0", "down.0", "proj.1", ...), in the order the heads registered them."""
+    return {name: m for name, m in heads.named_modules() if isinstance(m, (nn.Linear, Int2Linear))}
 
 
 @torch.inference_mode()

@@ -88,7 +88,7 @@ def build_methods(names: list[str], *, model_dir: str, heads_dirs: list[str], nu
 
 
 def _heads_tag(heads_dir: str, *, several: bool) -> str:
-    """What tells rows of different heads apart: an attention block's kind, their draft
+    """What tells rows of different heads apart: their kind (block, sequential), their draft
     vocabulary, else (when several heads are compared) the directory's name."""
     from vllm_mtpspec.checkpoint import HeadsError, read_heads_config
 
@@ -96,7 +96,7 @@ def _heads_tag(heads_dir: str, *, several: bool) -> str:
         config = read_heads_config(heads_dir)
     except HeadsError:
         return f" [{Path(heads_dir).name}]" if several else ""
-    tag = " block" if config.head_kind == "attention" else ""
+    tag = {"attention": " block", "sequential": " sequential"}.get(config.head_kind, "")
     if config.draft_vocab_size:
         tag += f" vocab={config.draft_vocab_size}"
     elif several:
@@ -107,7 +107,7 @@ def _heads_tag(heads_dir: str, *, several: bool) -> str:
 def _int2_heads(heads_dir: str, work_dir: Path) -> Path:
     """The shipped INT2 form of shipped heads (GPTQ); for other heads, round-to-nearest
     (the calibrated methods need training shards: `mtpspec heads quantize --method gptq`)."""
-    from vllm_mtpspec.checkpoint import load_heads, require_parallel, save_heads
+    from vllm_mtpspec.checkpoint import load_heads, require_mlp_heads, save_heads
     from vllm_mtpspec.cli import shipped_int2_heads_dir
 
     shipped = shipped_int2_heads_dir(heads_dir)
@@ -116,7 +116,7 @@ def _int2_heads(heads_dir: str, work_dir: Path) -> Path:
     out = int2_copy_path(heads_dir, work_dir)
     if not (out / "config.json").is_file():
         heads = load_heads(heads_dir)
-        require_parallel(heads, heads_dir, where="the bench's INT2 rows")
+        require_mlp_heads(heads, heads_dir, where="the bench's INT2 rows")
         save_heads(heads.quantized(group_size=64), out)
     return out
 
