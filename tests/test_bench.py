@@ -148,7 +148,7 @@ def test_an_unknown_draft_size_is_named(capsys):
         _choices("learned", ("fixed", "adaptive"), "--draft-size")
 
 
-def test_rows_of_several_heads_are_labelled_by_kind_draft_vocabulary_or_name(tiny_model, tiny_model_dir, tmp_path):
+def test_rows_of_several_heads_are_labelled_by_kind_draft_vocabulary_and_name(tiny_model, tiny_model_dir, tmp_path):
     from vllm_mtpspec.checkpoint import save_heads
     from vllm_mtpspec.heads_init import init_heads
 
@@ -158,11 +158,17 @@ def test_rows_of_several_heads_are_labelled_by_kind_draft_vocabulary_or_name(tin
     from vllm_mtpspec.heads_init import init_draft_block
 
     block = save_heads(init_draft_block(tiny_model, tiny_model_dir, num_heads=2), tmp_path / "b1")
-    methods = build_methods(["mtpspec-chain"], model_dir="m", heads_dirs=[str(full), str(small), str(block)],
-                            num_heads=[2], quants=["fp"], tree="consensus", work_dir=tmp_path)
-    assert [m.name for m in methods] == ["mtpspec-chain k=2 +lookup [v5]", "mtpspec-chain k=2 +lookup vocab=64",
-                                         "mtpspec-chain k=2 +lookup block [b1]"]
-    assert [m.speculative_config["model"] for m in methods] == [str(full), str(small), str(block)]
+    twin = save_heads(heads.with_draft_vocab(torch.arange(64)), tmp_path / "v6-small")  # same kind and vocabulary
+    dirs = [str(full), str(small), str(block), str(twin)]
+    methods = build_methods(["mtpspec-chain"], model_dir="m", heads_dirs=dirs, num_heads=[2], quants=["fp"],
+                            tree="consensus", work_dir=tmp_path)
+    assert [m.name for m in methods] == ["mtpspec-chain k=2 +lookup [v5]", "mtpspec-chain k=2 +lookup vocab=64 [v5-small]",
+                                         "mtpspec-chain k=2 +lookup block [b1]",
+                                         "mtpspec-chain k=2 +lookup vocab=64 [v6-small]"]
+    assert [m.speculative_config["model"] for m in methods] == dirs
+    alone = build_methods(["mtpspec-chain"], model_dir="m", heads_dirs=[str(small)], num_heads=[2], quants=["fp"],
+                          tree="consensus", work_dir=tmp_path)
+    assert [m.name for m in alone] == ["mtpspec-chain k=2 +lookup vocab=64"]
 
 
 def test_the_serving_benchmark_table_compares_each_level_with_vllm_alone():
@@ -210,3 +216,17 @@ def test_a_long_later_turn_loses_its_oldest_exchanges_first_to_fit_the_budget():
     assert 0 < len(cut.history) < len(history) and cut.history == history[-len(cut.history):]
     assert cut.history[0][0] == "user"
     assert cut_prompt(prompt, tokenizer, 10_000) == prompt
+
+
+def test_each_asked_draft_dtype_is_a_row_of_its_own(tiny_model, tiny_model_dir, tmp_path):
+    from vllm_mtpspec.checkpoint import save_heads
+    from vllm_mtpspec.heads_init import init_heads
+
+    heads = save_heads(init_heads(tiny_model, tiny_model_dir, num_heads=2), tmp_path / "h")
+    methods = build_methods(["mtpspec-chain"], model_dir="m", heads_dirs=[str(heads)], num_heads=[2], quants=["fp"],
+                            tree="consensus", work_dir=tmp_path, draft_dtypes=["auto", "model"])
+    assert [m.name for m in methods] == ["mtpspec-chain k=2 +lookup drafts-auto", "mtpspec-chain k=2 +lookup drafts-model"]
+    assert [m.speculative_config["draft_dtype"] for m in methods] == ["auto", "model"]
+    default = build_methods(["mtpspec-chain"], model_dir="m", heads_dirs=[str(heads)], num_heads=[2], quants=["fp"],
+                            tree="consensus", work_dir=tmp_path)
+    assert default[0].name == "mtpspec-chain k=2 +lookup" and default[0].speculative_config["draft_dtype"] == "auto"

@@ -9,7 +9,8 @@
 - mtpspec-chain / mtpspec-tree: our heads, as top-1 chains or verified as trees; one
   variant per number of heads, per quantization, with or without prompt lookup, and with
   the draft size from the fixed batch back-off (the default), learned (adaptive) or
-  planned per request from measured step costs (planned).
+  planned per request from measured step costs (planned), and per draft dtype (the
+  platform's choice, "auto", by default).
 """
 from __future__ import annotations
 
@@ -36,7 +37,7 @@ class Method:
 def build_methods(names: list[str], *, model_dir: str, heads_dirs: list[str], num_heads: list[int], quants: list[str],
                   tree: str, work_dir: Path, max_tree_nodes: int = 8, num_spec_tokens: int = 3,
                   draft_layers: int = 6, lookups: list[bool] = (True,),
-                  draft_sizes: list[str] = ("fixed",)) -> list[Method]:
+                  draft_sizes: list[str] = ("fixed",), draft_dtypes: list[str] = ("auto",)) -> list[Method]:
     unknown = [n for n in names if n not in KNOWN_METHODS]
     if unknown:
         raise ValueError(f"--methods: unknown {unknown}; choose from {', '.join(KNOWN_METHODS)}")
@@ -69,7 +70,7 @@ def build_methods(names: list[str], *, model_dir: str, heads_dirs: list[str], nu
                 heads = heads_dir if quant == "fp" else str(_int2_heads(heads_dir, work_dir))
                 heads_tag = _heads_tag(heads_dir, several=len(heads_dirs) > 1)
                 for k in num_heads:
-                    for lookup, draft_size in itertools.product(lookups, draft_sizes):
+                    for lookup, draft_size, dtype in itertools.product(lookups, draft_sizes, draft_dtypes):
                         config = {"method": "mtpspec", "model": heads, "num_speculative_tokens": k,
                                   "tree": method_tree}
                         label = f"mtpspec-chain k={k}"
@@ -83,25 +84,28 @@ def build_methods(names: list[str], *, model_dir: str, heads_dirs: list[str], nu
                         config["draft_size"] = DRAFT_SIZE_OPTION[draft_size]
                         if draft_size != "fixed":
                             label += f" {draft_size}-size"
+                        config["draft_dtype"] = dtype
+                        if len(draft_dtypes) > 1 or dtype != "auto":
+                            label += f" drafts-{dtype}"
                         methods.append(Method(label + heads_tag + ("" if quant == "fp" else " int2"), name, config))
     return methods
 
 
 def _heads_tag(heads_dir: str, *, several: bool) -> str:
-    """What tells rows of different heads apart: their kind (block, sequential), their draft
-    vocabulary, else (when several heads are compared) the directory's name."""
+    """What tells rows of different heads apart: their kind (block, sequential) and draft
+    vocabulary, and, when several heads are compared, the directory's name (two heads
+    of one kind and vocabulary would otherwise share a label, and a row)."""
     from vllm_mtpspec.checkpoint import HeadsError, read_heads_config
 
+    name = f" [{Path(heads_dir).name}]" if several else ""
     try:
         config = read_heads_config(heads_dir)
     except HeadsError:
-        return f" [{Path(heads_dir).name}]" if several else ""
+        return name
     tag = {"attention": " block", "sequential": " sequential"}.get(config.head_kind, "")
     if config.draft_vocab_size:
         tag += f" vocab={config.draft_vocab_size}"
-    elif several:
-        tag += f" [{Path(heads_dir).name}]"
-    return tag
+    return tag + name
 
 
 def _int2_heads(heads_dir: str, work_dir: Path) -> Path:
