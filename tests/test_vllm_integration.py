@@ -575,3 +575,17 @@ def test_sequential_heads_keep_greedy_output_unchanged(model_dir, sequential_hea
 def test_sequential_heads_with_a_tree_are_refused_at_start_up(model_dir, sequential_heads_dir):
     with pytest.raises(Exception, match="head_kind='sequential' drafts chains only so far.*tree='dynamic'"):
         build(model_dir, speculative_config={"method": "mtpspec", "model": str(sequential_heads_dir), "tree": "dynamic"})
+
+
+@pytest.mark.parametrize("draft_dtype", ["bfloat16", "model"])
+def test_the_draft_dtype_changes_the_drafts_never_the_output(model_dir, heads_dir, baseline, draft_dtype):
+    """The heads draft in bf16 (or the model's fp32); the target verifies in fp32."""
+    llm = build(model_dir, speculative_config={"method": "mtpspec", "model": str(heads_dir), "num_speculative_tokens": 3,
+                                               "prompt_lookup_max": 0, "draft_dtype": draft_dtype})
+    outputs = greedy(llm)
+    metrics = spec_metrics(llm)
+    dtypes = llm.collective_rpc(lambda worker: str(worker.model_runner.drafter.draft_dtype))
+    close(llm)
+    assert dtypes == [{"bfloat16": "torch.bfloat16", "model": "torch.float32"}[draft_dtype]]
+    assert outputs == baseline
+    assert metrics["vllm:spec_decode_num_accepted_tokens"] > 0

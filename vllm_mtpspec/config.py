@@ -23,6 +23,10 @@ HEAD_KINDS = ("parallel", "sequential", "attention")
 CHAIN_ONLY_HEAD_KINDS = ("sequential", "attention")
 TREE_PRESETS = ("chain", "consensus", "static", "dynamic")
 DRAFT_SIZES = ("fixed", "learned", "planned")
+# The dtype the heads draft in: "auto" (the platform's choice, platform_defaults.py),
+# "model" (the served model's dtype), or a dtype. Only the drafts depend on it: the
+# target verifies them in its own dtype, so the output does not.
+DRAFT_DTYPES = ("auto", "model", "bfloat16", "float16", "float32")
 
 
 class ConfigError(ValueError):
@@ -212,6 +216,10 @@ class SpecOptions:
     # past vLLM's ngram method, in every measured run (benchmarks/RESULTS.md).
     prompt_lookup_max: int = 4
     prompt_lookup_min: int = 2
+    # What the heads (and the draft vocabulary's LM-head rows) compute in (DRAFT_DTYPES).
+    # At batch 1 drafting reads every head weight per step: on a CPU with native bf16 an
+    # fp32 model's heads drafted 3-4x faster in bf16 (benchmarks/RESULTS.md).
+    draft_dtype: str = "auto"
 
     def __post_init__(self) -> None:
         if self.tree not in TREE_PRESETS:
@@ -232,6 +240,8 @@ class SpecOptions:
         if self.draft_size == "planned" and self.tree != "chain":
             raise ConfigError(f"draft_size='planned' plans chains, and tree={self.tree!r} was asked: use "
                               "tree='chain', or draft_size='fixed' or 'learned' for trees")
+        if self.draft_dtype not in DRAFT_DTYPES:
+            raise ConfigError(f"draft_dtype={self.draft_dtype!r}: choose one of {DRAFT_DTYPES}")
         if not 0.0 <= self.min_path_prob < 1.0:
             raise ConfigError(f"min_path_prob={self.min_path_prob}: must lie in [0, 1)")
         if self.prompt_lookup_max < 0 or self.prompt_lookup_max and not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:

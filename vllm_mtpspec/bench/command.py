@@ -53,6 +53,10 @@ def add_parser(sub) -> None:
                    help="fixed, adaptive, planned or a comma-separated mix: mtpspec methods follow the fixed batch "
                         "back-off, learn how much to draft per batch size (draft_size=learned), or plan each "
                         "request's drafts from measured step costs (draft_size=planned); one row each")
+    p.add_argument("--draft-dtype", default="auto",
+                   help="auto, model, bfloat16, float16, float32 or a comma-separated mix: the dtype mtpspec's heads "
+                        "draft in (auto: bf16 for an fp32 model on a CPU with native bf16, else the model's); one "
+                        "row each")
     p.add_argument("--batch-sizes", default="1,4,16,64")
     p.add_argument("--temperatures", default="0,0.7", help="0 is greedy")
     p.add_argument("--max-new-tokens", type=int, default=64)
@@ -81,6 +85,7 @@ def _ints(text: str) -> list[int]:
 
 def run(args) -> int:
     from vllm_mtpspec.bench.methods import DRAFT_SIZES, build_methods, int2_copy_path
+    from vllm_mtpspec.config import DRAFT_DTYPES
     from vllm_mtpspec.bench.prompts import load_bench_prompts
     from vllm_mtpspec.bench.report import heads_memory, markdown, plot, summarize
     from vllm_mtpspec.bench.runner import engine_settings, run_benchmark, save_json
@@ -99,7 +104,8 @@ def run(args) -> int:
                             tree=args.tree, max_tree_nodes=args.max_tree_nodes, work_dir=work_dir,
                             num_spec_tokens=args.spec_tokens, draft_layers=args.draft_layers,
                             lookups=[x == "on" for x in _choices(args.prompt_lookup, ("off", "on"), "--prompt-lookup")],
-                            draft_sizes=_choices(args.draft_size, DRAFT_SIZES, "--draft-size"))
+                            draft_sizes=_choices(args.draft_size, DRAFT_SIZES, "--draft-size"),
+                            draft_dtypes=_choices(args.draft_dtype, DRAFT_DTYPES, "--draft-dtype"))
     engine = engine_settings(max(batch_sizes), args.max_prompt_tokens, args.max_new_tokens, _kv_bytes_per_token(model))
     print(f"{len(prompts)} prompts ({', '.join(sorted({p.category for p in prompts}))}), methods: "
           f"{', '.join(m.name for m in methods)}; batch sizes {batch_sizes}; temperatures {temperatures}")

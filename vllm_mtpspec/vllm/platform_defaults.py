@@ -1,6 +1,8 @@
 """What the platform vLLM runs on changes about drafting and verifying."""
 from __future__ import annotations
 
+import torch
+
 
 def platform_blocker() -> str | None:
     """Why this platform cannot verify trees at all (None when it can)."""
@@ -41,3 +43,24 @@ def sampled_chains_verifier() -> str:
     from vllm.platforms import current_platform
 
     return "mtpspec" if current_platform.is_cpu() else "vllm"
+
+
+def cpu_has_native_bf16() -> bool:
+    """Whether this CPU multiplies bf16 natively (AVX-512 bf16 or AMX): elsewhere oneDNN
+    emulates it, slower than fp32."""
+    return torch.backends.mkldnn.is_available() and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+
+
+def draft_dtype(asked: str, model_dtype: torch.dtype, *, quantized: bool) -> torch.dtype:
+    """The dtype the heads draft in (SpecOptions.draft_dtype). "auto": bf16 for an fp32
+    model's full-precision heads on a CPU with native bf16 (drafting at small batches is
+    bound by reading the heads' weights, which bf16 halves), else the model's dtype."""
+    from vllm.platforms import current_platform
+
+    if asked == "model":
+        return model_dtype
+    if asked != "auto":
+        return getattr(torch, asked)
+    if current_platform.is_cpu() and model_dtype == torch.float32 and not quantized and cpu_has_native_bf16():
+        return torch.bfloat16
+    return model_dtype

@@ -41,8 +41,8 @@ from vllm_mtpspec.lookup import lookup_draft
 from vllm_mtpspec.tree import DraftTreeBuilder, TreeShape, chain_tree
 from vllm_mtpspec.vllm.fallback import log_fallback_once
 from vllm_mtpspec.vllm.logs import logger
-from vllm_mtpspec.vllm.platform_defaults import (default_backoff_start, default_draft_size, platform_blocker,
-                                                  sampled_chains_verifier)
+from vllm_mtpspec.vllm.platform_defaults import (default_backoff_start, default_draft_size, draft_dtype,
+                                                  platform_blocker, sampled_chains_verifier)
 from vllm_mtpspec.vllm.options import check_against_model, options_from_additional_config
 from vllm_mtpspec.vllm.parallel import RankZeroDecision, tensor_parallel_group
 from vllm_mtpspec.vllm.rows import last_sampled_rows
@@ -142,10 +142,14 @@ class MTPSpecProposer:
         return sorted({max(largest >> j, 1) for j in range(largest.bit_length())})
 
     def load_model(self, target_model) -> None:
-        self.heads = load_heads(self.options.heads, device=self.device, dtype=self.dtype)
+        self.draft_dtype = draft_dtype(self.options.draft_dtype, self.dtype,
+                                       quantized=self.heads_config.quantization is not None)
+        self.heads = load_heads(self.options.heads, device=self.device, dtype=self.draft_dtype)
         self._temperatures = self.heads.temperatures.to(self.device)
         # Through the target's modules, never its weights: on the CPU they are repacked.
-        self._lm_head = target_model.compute_logits
+        # The heads' states reach the target's LM head in the model's dtype.
+        compute_logits, model_dtype = target_model.compute_logits, self.dtype
+        self._lm_head = lambda states: compute_logits(states.to(model_dtype))
         self._embed = getattr(target_model, "embed_input_ids", None) or target_model.get_input_embeddings
         if self.heads.config.head_kind == "attention":
             self.block_contexts = BlockContexts(self.heads, self._embed)
@@ -153,7 +157,8 @@ class MTPSpecProposer:
         if self.heads.draft_vocab is not None:
             # The draft vocabulary's rows of the LM head, read from the model's files (the
             # loaded weights may be repacked); every tensor-parallel rank holds all N rows.
-            lm_head_weight = draft_vocab_lm_head_weight(self.model_path, self.options.heads).to(self.device, self.dtype)
+            lm_head_weight = draft_vocab_lm_head_weight(self.model_path, self.options.heads).to(self.device,
+                                                                                                  self.draft_dtype)
             self._lm_head = self.heads.lm_head_for(lm_head_weight)
             self._draft_ids = self.heads.draft_vocab.to(self.device)
         options = self.options
@@ -165,7 +170,7 @@ class MTPSpecProposer:
                                                   max_nodes=self.max_tree_budget, **builder)
         logger.info("mtpspec: loaded %s heads (%s, %s, drafting among %s tokens) from %s; drafting %s of depth %d",
                     self.heads.num_heads, "tied" if self.heads.config.tied else "untied",
-                    "int2" if self.heads.is_quantized else str(self.dtype),
+                    "int2" if self.heads.is_quantized else f"drafting in {self.draft_dtype}",
                     self.heads.config.draft_vocab_size or f"all {self.heads.config.vocab_size}", self.options.heads,
                     self.options.tree if self.uses_trees else "chains", self.depth)
 
