@@ -8,25 +8,15 @@ them; median of --repeats, same process.
 """
 import argparse
 import platform
-import time
 from pathlib import Path
 
 import torch
 
+from timing import median_ms
 from vllm_mtpspec.checkpoint import load_heads
 from vllm_mtpspec.models import resolve_model
 from vllm_mtpspec.vllm.platform_defaults import cpu_has_native_bf16
 from vllm_mtpspec.weights import embedding_and_lm_head
-
-
-def median_ms(step, repeats: int) -> float:
-    step()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        step()
-        times.append(time.perf_counter() - start)
-    return sorted(times)[len(times) // 2] * 1e3
 
 
 @torch.no_grad()

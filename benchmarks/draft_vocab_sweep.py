@@ -14,11 +14,11 @@ batch 1 and 8, in the dtype given.
 import argparse
 import json
 import platform
-import time
 from pathlib import Path
 
 import torch
 
+from timing import median_ms
 from training.data import list_shards
 from training.evaluate import evaluate_heads
 from vllm_mtpspec.checkpoint import load_heads
@@ -41,13 +41,7 @@ def draft_step_ms(heads, lm_head_weight, embed, batch: int, repeats: int) -> flo
         torch.softmax(logits / temperatures, dim=-1).max(dim=-1)
 
     with torch.inference_mode():
-        step()
-        times = []
-        for _ in range(repeats):
-            start = time.perf_counter()
-            step()
-            times.append(time.perf_counter() - start)
-    return sorted(times)[len(times) // 2] * 1e3
+        return median_ms(step, repeats)
 
 
 def main() -> None:

@@ -24,11 +24,11 @@ import argparse
 import dataclasses
 import json
 import platform
-import time
 from pathlib import Path
 
 import torch
 
+from timing import median_ms
 from training.data import list_shards
 from training.evaluate import conditional_hits, draft_logits_along, replay_tree
 from vllm_mtpspec.checkpoint import load_heads
@@ -94,13 +94,7 @@ def draft_step_ms(heads, lm_head, embed, repeats: int, context: int = 256) -> fl
 
         def step():
             heads.draft_logits(h, e, k, project, lambda t: embed[t], heads.draft_vocab).argmax(-1)
-    step()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        step()
-        times.append(time.perf_counter() - start)
-    return sorted(times)[len(times) // 2] * 1e3
+    return median_ms(step, repeats)
 
 
 def label(heads, path: str) -> str:
