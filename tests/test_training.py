@@ -1,5 +1,6 @@
 """The Ray training job end to end on tiny models: data from vLLM, 2 Ray workers, a killed
 worker that resumes from its checkpoint, export, and heads that load and decode."""
+import dataclasses
 import json
 from pathlib import Path
 
@@ -55,6 +56,31 @@ def test_several_sources_train_together_their_shards_interleaved(tiny_smol_teach
         TrainConfig(train_data=[str(first), str(later)], train_answers=[str(first)])
     with pytest.raises(TrainConfigError, match="one answers folder per train_data folder"):
         TrainConfig(train_data=str(first), train_answers=[str(first)])
+
+
+def test_a_shard_budget_splits_evenly_over_the_sources_and_builds_no_more(tiny_smol_teacher, tiny_data, tmp_path):
+    first, later = tmp_path / "first-turns", tmp_path / "later-turns"
+    config = TrainConfig(model=str(tiny_smol_teacher), train_data=[str(first), str(later)], held_out_data=None,
+                         train_answers=[str(tiny_data / "train" / "answers"), str(tiny_data / "held" / "answers")],
+                         max_train_shards=2)
+    train, _ = ensure_data(config, Path(tiny_smol_teacher))
+    assert len(list_shards(first)) == 1 and len(list_shards(later)) == 1  # only the shards it trains on
+    assert train == [list_shards(first)[0], list_shards(later)[0]]
+    # Shards an earlier run left behind do not change the mix of a same-budget run.
+    ensure_data(dataclasses.replace(config, max_train_shards=None), Path(tiny_smol_teacher))
+    assert len(list_shards(first)) == 2
+    again, _ = ensure_data(config, Path(tiny_smol_teacher))
+    assert again == train
+
+
+def test_split_budget_is_even_where_the_sources_allow():
+    from training.train import split_budget
+
+    assert split_budget(24, [125, 168]) == [12, 12]
+    assert split_budget(5, [10, 10]) == [3, 2]
+    assert split_budget(24, [4, 100]) == [4, 20]  # a short source leaves the rest to the others
+    assert split_budget(24, [4, 5]) == [4, 5]
+    assert split_budget(3, [0, 9, 9]) == [0, 2, 1]
 
 
 def test_interleaving_spreads_a_smaller_source_evenly():

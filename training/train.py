@@ -176,6 +176,7 @@ def ensure_data(config: TrainConfig, model_dir: Path) -> tuple[list[Path], list[
     from training.data import answers_dir_for, generate_self_distillation, list_shards
     from training.examples import CONTEXT_ROWS
 
+    shares = _shares_of_sources(config)
     splits = [(data, answers, False) for data, answers in config.train_sources]
     if config.held_out_data:
         splits.append((config.held_out_data, config.held_out_answers, True))
@@ -191,21 +192,49 @@ def ensure_data(config: TrainConfig, model_dir: Path) -> tuple[list[Path], list[
                                            max_new_tokens=config.max_new_tokens,
                                            context_rows=CONTEXT_ROWS if config.head_kind == "attention" else 0)
     else:
-        for data, answers, held_out in splits:
-            # A run that trains on the first N shards needs only their answers read.
+        for (data, answers, held_out), share in zip(splits, shares + [None]):
+            # A run that trains on N shards needs only their answers read.
             shards_from_answers(model_dir, answers_dir_for(data, answers), data,
-                                max_files=None if held_out else config.max_train_shards,
+                                max_files=None if held_out else share,
                                 context_rows=CONTEXT_ROWS if config.head_kind == "attention" else 0)
-    per_source = [list_shards(data) for data, _ in config.train_sources]
+    per_source = [list_shards(data)[:share] for (data, _), share in zip(config.train_sources, shares)]
     held_shards = list_shards(config.held_out_data) if config.held_out_data else []
-    for (data, _), shards in zip(config.train_sources, per_source):
-        if not shards:
+    for data, _ in config.train_sources:
+        if not list_shards(data):
             raise TrainConfigError(
                 f"train_data folder {data!r} holds no shard-*.pt files, its answers folder holds no answer files "
                 "and no 'prompts' were given to make them: the data set is empty. Set 'prompts' (a JSONL file or "
                 "'sharegpt') or run python -m training.data"
             )
     return interleave(per_source)[: config.max_train_shards], held_shards
+
+
+def _shares_of_sources(config: TrainConfig) -> list[int | None]:
+    """The shards each training source gives (None: all it has)."""
+    from training.answers import list_answer_files
+    from training.data import answers_dir_for, list_shards
+
+    if config.max_train_shards is None:
+        return [None] * len(config.train_sources)
+    if config.prompts:  # one source, its shards generated from the prompts
+        return [config.max_train_shards]
+    available = [max(len(list_answer_files(answers_dir_for(data, answers))), len(list_shards(data)))
+                 for data, answers in config.train_sources]
+    return split_budget(config.max_train_shards, available)
+
+
+def split_budget(budget: int, available: list[int]) -> list[int]:
+    """How many shards each source gives to a run of `budget` shards: as even a split as the
+    sources allow (one with too few leaves the rest to the others), so that the mix a
+    same-budget comparison trains on does not depend on what earlier runs left on disk."""
+    shares = [0] * len(available)
+    left = min(budget, sum(available))
+    while left:
+        open_sources = [i for i, n in enumerate(available) if shares[i] < n]
+        for i in open_sources[:left]:
+            shares[i] += 1
+        left -= min(left, len(open_sources))
+    return shares
 
 
 def interleave(lists: list[list[Path]]) -> list[Path]:
