@@ -56,11 +56,11 @@ def check_id_map(draft_token_ids: torch.Tensor, *, vocab_size: int) -> str | Non
 
 
 class SlicedLMHead(torch.nn.Module):
-    """The target's LM head restricted to the draft vocabulary: [n, d] -> [n, N]."""
+    """The target's LM head restricted to the draft vocabulary, from its N rows (in the
+    id map's order): [n, d] -> [n, N]."""
 
-    def __init__(self, lm_head_weight: torch.Tensor, draft_token_ids: torch.Tensor) -> None:
+    def __init__(self, rows: torch.Tensor) -> None:
         super().__init__()
-        rows = lm_head_weight[draft_token_ids.to(lm_head_weight.device)]
         self.register_buffer("weight", rows.detach().clone().contiguous(), persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -63,7 +63,7 @@ class DraftModule(nn.Module):
         it, or the draft vocabulary's rows."""
         if self.draft_vocab is None:
             return lambda x: x @ lm_head_weight.T
-        return SlicedLMHead(lm_head_weight, self.draft_vocab)
+        return SlicedLMHead(lm_head_weight[self.draft_vocab.to(lm_head_weight.device)])
 
     def target_vocab_logits(self, logits: torch.Tensor) -> torch.Tensor:
         """[..., k, N] logits over the heads' vocabulary -> [..., k, V] over the target's."""

@@ -37,6 +37,7 @@ from vllm_mtpspec.adaptive import DraftSizeController
 from vllm_mtpspec.checkpoint import load_heads
 from vllm_mtpspec.config import ConfigError
 from vllm_mtpspec.draft_planner import Candidate, DraftPlanner
+from vllm_mtpspec.draft_vocab import SlicedLMHead
 from vllm_mtpspec.lookup import lookup_draft
 from vllm_mtpspec.tree import DraftTreeBuilder, TreeShape, chain_tree
 from vllm_mtpspec.vllm.fallback import log_fallback_once
@@ -75,6 +76,7 @@ class MTPSpecProposer:
                               f"chains only so far, and tree={self.options.tree!r} was asked: use tree='chain'")
         self.depth = wanted or self.heads_config.num_heads
         self.model_path = model_config.model
+        self.tied_target = bool(getattr(hf_config, "tie_word_embeddings", False))
         self.dtype = model_config.dtype
         self.device = torch.device(vllm_config.device_config.device)
         self.heads = None  # loaded with the target, in load_model
@@ -155,12 +157,10 @@ class MTPSpecProposer:
             self.block_contexts = BlockContexts(self.heads, self._embed)
         self._draft_ids = None
         if self.heads.draft_vocab is not None:
-            # The draft vocabulary's rows of the LM head, read from the model's files (the
-            # loaded weights may be repacked); every tensor-parallel rank holds all N rows.
-            lm_head_weight = draft_vocab_lm_head_weight(self.model_path, self.options.heads).to(self.device,
-                                                                                                  self.draft_dtype)
-            self._lm_head = self.heads.lm_head_for(lm_head_weight)
             self._draft_ids = self.heads.draft_vocab.to(self.device)
+            rows = draft_vocab_lm_head_rows(self._draft_ids, embed=self._embed, tied_target=self.tied_target,
+                                            model=self.model_path, heads_dir=self.options.heads)
+            self._lm_head = SlicedLMHead(rows.to(self.device, self.draft_dtype))
         options = self.options
         builder = dict(min_path_prob=options.min_path_prob, dynamic_top_k=options.dynamic_top_k,
                        rank_accuracy=options.head_rank_accuracy or self.heads.config.rank_accuracy)
@@ -384,6 +384,19 @@ class MTPSpecProposer:
             log_fallback_once(blocker)
             return False
         return True
+
+
+def draft_vocab_lm_head_rows(draft_ids: torch.Tensor, *, embed: Callable[[torch.Tensor], torch.Tensor],
+                             tied_target: bool, model: str, heads_dir: str) -> torch.Tensor:
+    """The [N, d] rows of the target's LM head for the draft vocabulary's ids. A tied
+    target's LM head is its input embedding, read through the loaded embedding module:
+    whatever vLLM loaded the weights from (a hub id, any load format), and on every
+    tensor-parallel rank all N rows (the vocab-parallel embedding gathers them). Its LM-head
+    weight itself may be repacked on the CPU. An untied target's rows come from its files."""
+    if tied_target:
+        with torch.no_grad():
+            return embed(draft_ids).detach()
+    return draft_vocab_lm_head_weight(model, heads_dir)[draft_ids.cpu()]
 
 
 def draft_vocab_lm_head_weight(model: str, heads_dir: str) -> torch.Tensor:
