@@ -72,3 +72,50 @@ def test_a_prompt_source_is_a_name_or_a_file(tmp_path):
     file = tmp_path / "p.jsonl"
     file.write_text('{"prompt": "hello", "id": "x"}\n')
     assert [p.text for p in load_prompt_source(str(file))] == ["hello"]
+
+
+def write_dataframebench_wheel(path, train_tasks, *, other_splits=()):
+    import zipfile
+
+    with zipfile.ZipFile(path, "w") as wheel:
+        wheel.writestr("dataframebench/data/train.jsonl", "\n".join(json.dumps(t) for t in train_tasks) + "\n")
+        for name, tasks in other_splits:
+            wheel.writestr(f"dataframebench/data/{name}.jsonl", "\n".join(json.dumps(t) for t in tasks))
+    return path
+
+
+def test_dataframebench_reads_the_train_split_only_and_fills_its_library_placeholders(tmp_path):
+    from training.dataframebench import dataframebench_prompts
+
+    stub = "Sum a column.\n{library_instruction}\n{library_import}\ndef task_func(df):\n    return {'a': 1}"
+    wheel = write_dataframebench_wheel(tmp_path / "dfb.whl", [{"task_id": "DFB/T0001", "prompt": stub}],
+                                       other_splits=[("test", [{"task_id": "DFB/X", "prompt": "benchmark only"}])])
+    [prompt] = dataframebench_prompts(wheel)
+    assert prompt.id == "DFB/T0001" and prompt.category == "code"
+    assert prompt.text == ("Sum a column.\nUse pandas as the data processing library in your solution.\n"
+                           "import pandas as pd\ndef task_func(df):\n    return {'a': 1}")  # braces kept
+
+
+def test_a_damaged_dataframebench_wheel_is_refused_naming_the_file_and_line(tmp_path):
+    import pytest
+
+    from training.dataframebench import dataframebench_prompts
+    from vllm_mtpspec.prompts import PromptsError
+
+    (tmp_path / "junk.whl").write_text("not a zip")
+    with pytest.raises(PromptsError, match="junk.whl: not a dataframebench wheel.*delete it"):
+        dataframebench_prompts(tmp_path / "junk.whl")
+    wheel = write_dataframebench_wheel(tmp_path / "bad.whl", [{"task_id": "DFB/T1", "prompt": "ok"}, {"prompt": "x"}])
+    with pytest.raises(PromptsError, match="bad.whl:dataframebench/data/train.jsonl line 2: not a task"):
+        dataframebench_prompts(wheel)
+
+
+def test_the_real_dataframebench_train_split(tmp_path, monkeypatch):
+    from training.dataframebench import WHEEL, dataframebench_prompts
+
+    monkeypatch.setenv("MTPSPEC_CACHE", str(tmp_path))
+    prompts = load_prompt_source("dataframebench")  # downloads the wheel into the cache
+    assert (tmp_path / "wheels" / WHEEL).is_file() and len(prompts) == 709
+    assert not any("{library_" in p.text for p in prompts) and len({p.id for p in prompts}) == 709
+    assert not any("HumanEval" in p.id for p in prompts)
+    assert prompts == dataframebench_prompts(tmp_path / "wheels" / WHEEL)

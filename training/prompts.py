@@ -8,6 +8,7 @@ import re
 from pathlib import Path
 from typing import Iterator
 
+from training.dataframebench import dataframebench_prompts
 from vllm_mtpspec.prompts import Prompt, PromptsError, load_prompts_jsonl
 
 logger = logging.getLogger(__name__)
@@ -106,7 +107,8 @@ def sharegpt_later_turns(path: str | Path | None = None, *, max_chars: int = 200
     return sorted(prompts, key=lambda p: hashlib.sha1(p.id.encode()).hexdigest())
 
 
-PROMPT_SOURCES = {"sharegpt": sharegpt_prompts, "sharegpt-later-turns": sharegpt_later_turns}
+PROMPT_SOURCES = {"sharegpt": sharegpt_prompts, "sharegpt-later-turns": sharegpt_later_turns,
+                  "dataframebench": dataframebench_prompts}
 
 
 def load_prompt_source(name: str) -> list[Prompt]:
