@@ -51,7 +51,7 @@ def wheel_path() -> Path:
 
 def dataframebench_prompts(path: str | Path | None = None) -> list[Prompt]:
     """The training split's tasks, placeholders filled, category "code", ids the task ids
-("DFB/T0001"; the held-out split hashes them like any other source's)."""
+    ("DFB/T0001"; the held-out split hashes them like any other source's)."""
     path = Path(path) if path is not None else wheel_path()
     try:
         with zipfile.ZipFile(path) as wheel:
