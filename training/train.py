@@ -197,15 +197,16 @@ def ensure_data(config: TrainConfig, model_dir: Path) -> tuple[list[Path], list[
             shards_from_answers(model_dir, answers_dir_for(data, answers), data,
                                 max_files=None if held_out else share,
                                 context_rows=CONTEXT_ROWS if config.head_kind == "attention" else 0)
-    per_source = [list_shards(data)[:share] for (data, _), share in zip(config.train_sources, shares)]
+    found = [list_shards(data) for data, _ in config.train_sources]
     held_shards = list_shards(config.held_out_data) if config.held_out_data else []
-    for data, _ in config.train_sources:
-        if not list_shards(data):
+    for (data, _), shards in zip(config.train_sources, found):
+        if not shards:
             raise TrainConfigError(
                 f"train_data folder {data!r} holds no shard-*.pt files, its answers folder holds no answer files "
                 "and no 'prompts' were given to make them: the data set is empty. Set 'prompts' (a JSONL file or "
                 "'sharegpt') or run python -m training.data"
             )
+    per_source = [shards[:share] for shards, share in zip(found, shares)]
     return interleave(per_source)[: config.max_train_shards], held_shards
 
 
