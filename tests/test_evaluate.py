@@ -1,4 +1,5 @@
 """Greedy replay along a recorded answer: what eval-heads and the training summary report."""
+import pytest
 import torch
 
 from training.evaluate import replay_tree
@@ -67,3 +68,44 @@ def test_scores_are_reported_per_source_folder(tmp_path, tiny_model, tiny_model_
     sources = report["per_source"]
     assert {name: s["rows"] for name, s in sources.items()} == {"first-turns": 9, "later-turns": 15}
     assert sources["later-turns"]["rows"] + sources["first-turns"]["rows"] == report["rows"]
+
+
+@torch.no_grad()
+def test_replayed_grown_trees_accept_what_the_reference_decoder_accepts(tmp_path, tiny_model, tiny_model_dir):
+    """Sequential heads' dynamic trees, replayed along the model's own greedy answer from
+    its recorded states, accept exactly what decoding with them accepts step by step."""
+    from training.data import write_shard
+    from training.evaluate import evaluate_heads, grown_trees_along, replay_trees
+    from vllm_mtpspec.config import SpecOptions
+    from vllm_mtpspec.drafter import HeadsDrafter
+    from vllm_mtpspec.heads_init import init_heads
+    from vllm_mtpspec.reference import ReferenceDecoder
+
+    heads = init_heads(tiny_model, tiny_model_dir, num_heads=3, head_input="hidden+token", init_std=0.3, seed=1,
+                       head_kind="sequential")
+    with torch.no_grad():  # every depth keeps the root's state: it guesses the root's token again, and the
+        for last in heads.last_layers():  # tiny model's greedy answers repeat tokens, so some are kept
+            last.weight.mul_(0.01)
+        heads.temperatures.fill_(0.05)  # sure enough of it to pass the default min_path_prob
+    prompt = [3, 99, 100, 101, 7, 8, 200, 13]
+    options = SpecOptions(tree="dynamic", max_tree_nodes=6, prompt_lookup_max=0)  # evaluate_heads' defaults
+    decoded = ReferenceDecoder(tiny_model, HeadsDrafter(heads, tiny_model), options).decode(prompt, max_new_tokens=48)
+    answer = decoded.tokens
+    # Row r of the answer: the state that produced answer token r (the shards' layout).
+    out = tiny_model.model(torch.tensor([prompt + answer]))
+    hidden = out.last_hidden_state[0, len(prompt) - 1:len(prompt) - 1 + len(answer)]
+    write_shard(tmp_path, 0, {"ids": ["a"], "categories": ["general"], "prompt_ids": [prompt],
+                              "offsets": torch.tensor([0, len(answer)]), "tokens": torch.tensor(answer),
+                              "hidden": hidden.float()})
+    embed = tiny_model.get_input_embeddings().weight.detach()
+    report = evaluate_heads(heads, sorted(tmp_path.glob("shard-*.pt")), lm_head=embed, embed=embed,
+                            max_tree_nodes=6, prompt_lookup=None)
+    assert set(report["mean_accepted_len"]) == {"chain", "dynamic"} and report["tree_nodes"]["dynamic"] == 6
+    trees = grown_trees_along(heads, hidden, torch.tensor(answer), heads.lm_head_for(embed), embed, max_nodes=6,
+                              top_k=options.dynamic_top_k, min_path_prob=options.min_path_prob)
+    replayed = replay_trees(trees.__getitem__, torch.tensor(answer))
+    decoded_lengths = [step.accepted_len for step in decoded.steps]
+    # The replay stops where the answer does: the decoder's last step may run past it.
+    assert replayed[:-1] == decoded_lengths[:len(replayed) - 1]
+    assert report["mean_accepted_len"]["dynamic"] == pytest.approx(sum(replayed) / len(replayed), abs=1e-4)
+    assert max(decoded_lengths) > 1  # some drafts were kept: the comparison is not of empty trees

@@ -17,7 +17,7 @@ from vllm_mtpspec.heads_init import init_heads
 from vllm_mtpspec.heads_quant import head_linears, input_statistics
 from vllm_mtpspec.reference import ReferenceDecoder, plain_greedy
 from vllm_mtpspec.sequential_heads import SequentialHeads, chain_tokens, example_chain_tokens
-from vllm_mtpspec.tree import chain_tree
+from vllm_mtpspec.tree import DraftTreeBuilder, chain_tree
 from vllm_mtpspec.verify import verify_sampled
 
 D, VOCAB = 16, 40
@@ -183,23 +183,52 @@ def test_greedy_output_with_sequential_drafts_equals_the_model_alone(tiny_model,
         assert decoder.decode(prompt, max_new_tokens=40).tokens == expected
 
 
-def test_trees_of_sequential_heads_are_refused(tiny_model, random_sequential):
+@pytest.mark.parametrize("draft_vocab", [False, True])
+def test_greedy_output_with_grown_trees_of_sequential_heads_equals_the_model_alone(tiny_model, random_sequential,
+                                                                                   draft_vocab):
+    heads = random_sequential.with_draft_vocab(torch.arange(0, 256, 2)) if draft_vocab else random_sequential
+    decoder = ReferenceDecoder(tiny_model, HeadsDrafter(heads, tiny_model),
+                               SpecOptions(tree="dynamic", max_tree_nodes=8, dynamic_top_k=3, min_path_prob=0.0,
+                                           prompt_lookup_max=0))
+    sizes = []
+    for prompt in PROMPTS:
+        expected = plain_greedy(tiny_model, prompt, max_new_tokens=40, eos_token_ids=set())
+        result = decoder.decode(prompt, max_new_tokens=40)
+        assert result.tokens == expected
+        sizes += [step.num_nodes for step in result.steps]
+    assert max(sizes) == 8  # trees, not chains of 3
+
+
+@torch.no_grad()
+def test_a_grown_trees_first_children_are_the_heads_own_top1_chain(tiny_model, random_sequential):
+    drafter = HeadsDrafter(random_sequential, tiny_model)
+    hidden, roots = torch.randn(2, 64, generator=torch.Generator().manual_seed(4)), torch.tensor([5, 77])
+    builder = DraftTreeBuilder("dynamic", 3, max_nodes=64, min_path_prob=0.0, dynamic_top_k=3)
+    trees = builder.grow(drafter.draft_step(), hidden, roots, depth=3)
+    chains = drafter.head_logits(hidden, roots).argmax(-1)
+    for (shape, tokens), chain in zip(trees, chains):
+        assert len(shape) == 3 + 9 + 9  # the roots' 3 children, then the 3 likeliest nodes' 3 children, twice
+        assert [tokens[shape.paths.index((0,) * d)] for d in (1, 2, 3)] == chain.tolist()
+
+
+def test_fixed_shape_trees_of_sequential_heads_are_refused(tiny_model, random_sequential):
     from vllm_mtpspec.cli import decode_prompts
 
     target = SimpleNamespace(model=tiny_model)
-    with pytest.raises(ConfigError, match="head_kind='sequential' drafts chains only.*--tree chain"):
+    with pytest.raises(ConfigError, match="head_kind='sequential' drafts chains and dynamic trees only.*"
+                                          "--tree chain or --tree dynamic"):
         decode_prompts(target, random_sequential, [], options=SpecOptions(tree="consensus"), max_new_tokens=4,
                        temperature=0.0, seed=0, check_lossless=False, progress=False)
 
 
-def proposer_for(tiny_model, tiny_model_dir, heads_dir, **options):
+def proposer_for(tiny_model, tiny_model_dir, heads_dir, max_drafts: int = 3, **options):
     from vllm_mtpspec.vllm.proposer import MTPSpecProposer
 
     config = SimpleNamespace(
         additional_config={"mtpspec": {"heads": str(heads_dir), "min_path_prob": 0.0, "prompt_lookup_max": 0,
                                        **options}},
         model_config=SimpleNamespace(model=str(tiny_model_dir), hf_text_config=tiny_model.config, dtype=torch.float32),
-        speculative_config=SimpleNamespace(num_speculative_tokens=3),
+        speculative_config=SimpleNamespace(num_speculative_tokens=max_drafts),
         device_config=SimpleNamespace(device="cpu"),
     )
     return MTPSpecProposer(config)
@@ -219,8 +248,33 @@ def test_the_proposer_sends_each_requests_own_sequential_chain_in_target_ids(tin
     with torch.no_grad():
         logits = heads.draft_logits(hidden, embed(torch.tensor([1, 2])), 3, heads.lm_head_for(weight), embed, ids)
     assert drafts == ids[logits.argmax(-1)].tolist()
-    with pytest.raises(ConfigError, match="head_kind='sequential' drafts chains only so far.*tree='consensus'"):
+    with pytest.raises(ConfigError, match="head_kind='sequential' drafts chains and dynamic trees only.*"
+                                          "tree='consensus' was asked: use tree='chain' or tree='dynamic'"):
         proposer_for(tiny_model, tiny_model_dir, tmp_path / "seq-dv", tree="consensus")
+
+
+def test_the_proposer_sends_grown_trees_of_sequential_heads_and_chains_where_trees_are_blocked(
+        tiny_model, tiny_model_dir, random_sequential, tmp_path):
+    ids = torch.randperm(256, generator=torch.Generator().manual_seed(2))[:96]
+    heads = random_sequential.with_draft_vocab(ids)
+    p = proposer_for(tiny_model, tiny_model_dir, save_heads(heads, tmp_path / "seq-tree"), max_drafts=6,
+                     tree="dynamic", num_speculative_tokens=3, max_tree_nodes=6, dynamic_top_k=2)
+    embed = tiny_model.get_input_embeddings()
+    p.load_model(SimpleNamespace(compute_logits=tiny_model.get_output_embeddings(), embed_input_ids=embed))
+    hidden = torch.randn(3, 64, generator=torch.Generator().manual_seed(3))
+    p.capture_step(hidden, None, ["a", "b", "c"], tree_blocker=[None, "penalties", None].__getitem__)
+    drafts = p.propose([[1], [2], [3]])
+    weight = tiny_model.get_output_embeddings().weight.detach()
+    lm_head = heads.lm_head_for(weight)
+    expected = DraftTreeBuilder("dynamic", 3, max_nodes=6, min_path_prob=0.0, dynamic_top_k=2).grow(
+        heads.draft_step(lm_head, embed, heads.temperatures), hidden[[0, 2]], torch.tensor([1, 3]), depth=3,
+        token_ids=ids)
+    for req, i, (shape, tokens) in zip("ac", (0, 2), expected):
+        assert len(shape) == 6 and drafts[i] == tokens
+        assert p.proposed_trees[req].shape == shape and p.proposed_trees[req].tokens == tuple(tokens)
+    with torch.no_grad():
+        chain = heads.draft_logits(hidden[1:2], embed(torch.tensor([2])), 3, lm_head, embed, ids).argmax(-1)
+    assert drafts[1] == ids[chain[0]].tolist() and "b" not in p.proposed_trees
 
 
 @torch.no_grad()

@@ -572,9 +572,28 @@ def test_sequential_heads_keep_greedy_output_unchanged(model_dir, sequential_hea
     assert (preemptions > 0) == (engine == "preempting")
 
 
-def test_sequential_heads_with_a_tree_are_refused_at_start_up(model_dir, sequential_heads_dir):
-    with pytest.raises(Exception, match="head_kind='sequential' drafts chains only so far.*tree='dynamic'"):
-        build(model_dir, speculative_config={"method": "mtpspec", "model": str(sequential_heads_dir), "tree": "dynamic"})
+@pytest.mark.parametrize("engine", ["chunked+prefix-cache", "preempting"])
+def test_grown_trees_of_sequential_heads_keep_greedy_output_unchanged(model_dir, sequential_heads_dir, baseline,
+                                                                      engine):
+    from vllm import LLM
+
+    config = ENGINE if engine == "chunked+prefix-cache" else {**ENGINE, "max_model_len": 256,
+                                                                "kv_cache_memory_bytes": 16 << 20, "block_size": 32}
+    llm = LLM(str(model_dir), **config, speculative_config={
+        "method": "mtpspec", "model": str(sequential_heads_dir), "tree": "dynamic", **HEADS_FIXED_SIZE})
+    outputs, stats = tree_stats_delta(lambda: greedy(llm))
+    preemptions = sum(m.value for m in llm.get_metrics() if m.name == "vllm:num_preemptions")
+    close(llm)
+    assert outputs == baseline
+    assert stats["requests"] > 0 and stats["accepted"] > 0
+    assert (preemptions > 0) == (engine == "preempting")
+
+
+def test_fixed_shape_trees_of_sequential_heads_are_refused_at_start_up(model_dir, sequential_heads_dir):
+    with pytest.raises(Exception, match="head_kind='sequential' drafts chains and dynamic trees only.*"
+                                        "tree='consensus' was asked"):
+        build(model_dir, speculative_config={"method": "mtpspec", "model": str(sequential_heads_dir),
+                                             "tree": "consensus"})
 
 
 @pytest.mark.parametrize("draft_dtype", ["bfloat16", "model"])

@@ -15,6 +15,8 @@ from typing import Callable
 import numpy as np
 import torch
 
+from vllm_mtpspec.config import SpecOptions
+from vllm_mtpspec.grown_tree import grow_trees
 from vllm_mtpspec.heads import MTPHeads
 from vllm_mtpspec.lookup import lookup_draft
 from vllm_mtpspec.sequential_heads import chain_tokens
@@ -103,8 +105,13 @@ def replay_tree(shape: TreeShape, node_tokens_per_row: torch.Tensor, answer: tor
                 lookup: Callable[[int], list[int]] | None = None) -> list[int]:
     """Accepted lengths (accepted + 1) of greedy decoding along one answer. lookup(r), when
     given, is a looked-up chain that replaces the tree at row r (as the proposer does)."""
+    return replay_trees(lambda r: (shape.paths, node_tokens_per_row[r].tolist()), answer, lookup)
+
+
+def replay_trees(tree_at: Callable[[int], tuple[tuple, list[int]]], answer: torch.Tensor,
+                 lookup: Callable[[int], list[int]] | None = None) -> list[int]:
+    """replay_tree where each row drafts its own tree: tree_at(r) -> (paths, node tokens)."""
     lengths, r, n = [], 0, answer.numel()
-    paths = shape.paths
     answer_list = answer.tolist()
     while r < n - 1:
         chain = lookup(r) if lookup else None
@@ -114,7 +121,7 @@ def replay_tree(shape: TreeShape, node_tokens_per_row: torch.Tensor, answer: tor
             lengths.append(emitted)
             r += emitted
             continue
-        tokens = node_tokens_per_row[r].tolist()
+        paths, tokens = tree_at(r)
         ok: dict[tuple, bool] = {}
         best = 0
         for node, path in enumerate(paths):
@@ -132,16 +139,36 @@ def replay_tree(shape: TreeShape, node_tokens_per_row: torch.Tensor, answer: tor
 
 
 @torch.no_grad()
+def grown_trees_along(heads, hidden: torch.Tensor, tokens: torch.Tensor, project, embed: torch.Tensor, *,
+                      max_nodes: int, top_k: int, min_path_prob: float, chunk: int = 256) -> list[tuple]:
+    """(paths, node tokens) of the dynamic tree that heads growing their own trees
+    (grown_tree.py) draft at every row of one answer, as serving grows them. project: the
+    heads' LM-head projection (MTPHeads.lm_head_for); embed: the target's [V, d] embedding."""
+    step = heads.draft_step(project, lambda ids: embed[ids], heads.temperatures)
+    out = []
+    for start in range(0, tokens.numel(), chunk):
+        for tree in grow_trees(step, hidden[start:start + chunk].float(), tokens[start:start + chunk].long(),
+                               depth=heads.num_heads, max_nodes=max_nodes, top_k=top_k, min_path_prob=min_path_prob,
+                               token_ids=heads.draft_vocab):
+            out.append((tree.shape.paths, tree.tokens.tolist()))
+    return out
+
+
+@torch.no_grad()
 def evaluate_heads(heads, shard_files: list[Path], *, lm_head: torch.Tensor, embed: torch.Tensor,
                    trees: tuple[str, ...] = ("chain", "consensus"), max_tree_nodes: int = 16,
                    fit_temperatures: bool = False, temperature_rows: int = 8192,
                    prompt_lookup: tuple[int, int] | None = (2, 4)) -> dict:
-    """prompt_lookup: (min_n, max_n) to also replay `chain+lookup` (lookup.py), or None."""
+    """prompt_lookup: (min_n, max_n) to also replay `chain+lookup` (lookup.py), or None.
+    Heads that grow their own trees (sequential) replay a grown dynamic tree of
+    max_tree_nodes nodes (`dynamic`) where a fixed-shape tree is asked."""
     heads = heads.float().eval()
     project = heads.lm_head_for(lm_head)
     k = heads.num_heads
-    if heads.config.chains_only:  # the logits are those along the answer's chain: no tree can be replayed
+    grown = heads.config.grows_trees and any(name != "chain" for name in trees)
+    if heads.config.chains_only:  # the logits are those along the answer's chain: no fixed shape can be replayed
         trees = tuple(name for name in trees if name == "chain")
+    defaults = SpecOptions()
     shapes = {name: build_static_shape(name, k, max_nodes=max_tree_nodes, rank_accuracy=heads.config.rank_accuracy)
               for name in trees}
     max_rank = max([RANKS] + [s.max_rank for s in shapes.values()])
@@ -153,7 +180,8 @@ def evaluate_heads(heads, shard_files: list[Path], *, lm_head: torch.Tensor, emb
     nll = torch.zeros(k, len(TEMPERATURE_GRID))
     cond_hits, cond_asked = torch.zeros(k), torch.zeros(k)
     fitted_rows = [0] * k
-    replays = list(trees) + (["chain+lookup"] if prompt_lookup and "chain" in shapes else [])
+    replays = list(trees) + (["chain+lookup"] if prompt_lookup and "chain" in shapes else []) + (
+        ["dynamic"] if grown else [])
     accepted = {name: [] for name in replays}
     accepted_cat = {name: defaultdict(list) for name in replays}
     accepted_len = {name: defaultdict(list) for name in replays}
@@ -216,6 +244,15 @@ def evaluate_heads(heads, shard_files: list[Path], *, lm_head: torch.Tensor, emb
                     accepted_cat["chain+lookup"][category].extend(lengths)
                     accepted_len["chain+lookup"][bucket].extend(lengths)
                     accepted_src["chain+lookup"][source].extend(lengths)
+            if grown:
+                grown_trees = grown_trees_along(heads, shard["hidden"][start:end], tokens, project, embed,
+                                                max_nodes=max_tree_nodes, top_k=defaults.dynamic_top_k,
+                                                min_path_prob=defaults.min_path_prob)
+                lengths = replay_trees(grown_trees.__getitem__, tokens)
+                accepted["dynamic"].extend(lengths)
+                accepted_cat["dynamic"][category].extend(lengths)
+                accepted_len["dynamic"][bucket].extend(lengths)
+                accepted_src["dynamic"][source].extend(lengths)
     rank_accuracy = (hits / rows.clamp_min(1)[:, None])
     summary = {
         "rows": int(rows[0].item()),
@@ -225,7 +262,8 @@ def evaluate_heads(heads, shard_files: list[Path], *, lm_head: torch.Tensor, emb
         "conditional_top1": [round(float(cond_hits[i] / cond_asked[i].clamp_min(1)), 4) for i in range(k)],
         "rank_accuracy": [[round(float(v), 4) for v in rank_accuracy[i]] for i in range(k)],
         "mean_accepted_len": {name: round(sum(v) / max(len(v), 1), 4) for name, v in accepted.items()},
-        "tree_nodes": {name: len(shape) for name, shape in shapes.items()},
+        "tree_nodes": {**{name: len(shape) for name, shape in shapes.items()},
+                       **({"dynamic": max_tree_nodes} if grown else {})},
         "per_category": _per_group(per_cat, accepted_cat, k),
         "per_context_length": _per_group(per_len, accepted_len, k),
         "per_source": _per_group(per_src, accepted_src, k),

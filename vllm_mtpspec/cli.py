@@ -201,11 +201,11 @@ def decode_prompts(target, heads, prompts, *, options, max_new_tokens: int, temp
     from vllm_mtpspec.reference import ReferenceDecoder, plain_greedy
 
     depth = options.depth_for(heads.config, source="--num-heads")
-    if heads.config.chains_only and options.tree != "chain":
+    if (refusal := heads.config.tree_refusal(options.tree)) is not None:
         from vllm_mtpspec.config import ConfigError
 
-        raise ConfigError(f"--tree {options.tree}: head_kind={heads.config.head_kind!r} drafts chains only so far "
-                          "(its deeper drafts read the shallower ones' tokens); use --tree chain")
+        raise ConfigError(f"--tree {options.tree}: {refusal}; use --tree chain"
+                          + (" or --tree dynamic" if heads.config.grows_trees else ""))
     decoder = ReferenceDecoder(target.model, drafter_for(heads, target.model), options, depth=depth,
                                rank_accuracy=heads.config.rank_accuracy)
     rows = []

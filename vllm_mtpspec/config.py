@@ -18,9 +18,11 @@ HEAD_INPUTS = ("hidden", "hidden+token")
 # "attention": one transformer block with causal attention over the context's features,
 # applied recursively on its own output for deeper drafts (draft_block.py).
 HEAD_KINDS = ("parallel", "sequential", "attention")
-# Kinds whose deeper drafts read the shallower ones' tokens: they draft chains (each
-# token of a tree would need its own deeper states).
+# Kinds whose deeper drafts read the shallower ones' tokens: each node of a tree needs its
+# own deeper states, so no fixed-shape tree applies. Sequential heads grow dynamic trees
+# depth by depth (grown_tree.py); an attention block drafts chains only.
 CHAIN_ONLY_HEAD_KINDS = ("sequential", "attention")
+GROWN_TREE_HEAD_KINDS = ("sequential",)
 TREE_PRESETS = ("chain", "consensus", "static", "dynamic")
 DRAFT_SIZES = ("fixed", "learned", "planned")
 # The dtype the heads draft in: "auto" (the platform's choice, platform_defaults.py),
@@ -165,8 +167,25 @@ class HeadsConfig:
 
     @property
     def chains_only(self) -> bool:
-        """Whether these heads draft chains only (no trees)."""
+        """Whether each depth's logits are those along the heads' own top-1 chain (so no
+        fixed-shape tree applies, and no tree can be replayed from them)."""
         return self.head_kind in CHAIN_ONLY_HEAD_KINDS
+
+    @property
+    def grows_trees(self) -> bool:
+        """Whether these heads' dynamic trees are grown depth by depth from their own drafts
+        (grown_tree.py) rather than chosen among every depth's candidates (tree.py)."""
+        return self.head_kind in GROWN_TREE_HEAD_KINDS
+
+    def tree_refusal(self, tree: str) -> str | None:
+        """Why these heads cannot draft the tree preset `tree` (None: they can)."""
+        if tree == "chain" or not self.chains_only:
+            return None
+        if self.grows_trees:
+            return None if tree == "dynamic" else (
+                f"head_kind={self.head_kind!r} drafts chains and dynamic trees only (its deeper drafts read the "
+                "shallower ones' tokens, so each node's children come from a draft step of its own)")
+        return f"head_kind={self.head_kind!r} drafts chains only so far"
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

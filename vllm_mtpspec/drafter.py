@@ -34,6 +34,19 @@ class HeadsDrafter:
             self._lm_head = heads.lm_head_for(self._lm_head.weight.detach())
         self.temperatures = heads.temperatures
 
+    @property
+    def grows_trees(self) -> bool:
+        """Whether its dynamic trees are grown from draft_step (grown_tree.py)."""
+        return self.heads.config.grows_trees
+
+    @property
+    def draft_ids(self) -> torch.Tensor | None:
+        return self.heads.draft_vocab
+
+    def draft_step(self):
+        """The per-depth draft step of a grown tree (sequential heads)."""
+        return self.heads.draft_step(self._lm_head, self._embed, self.temperatures)
+
     @torch.no_grad()
     def head_logits(self, hidden: torch.Tensor, root_tokens: torch.Tensor) -> torch.Tensor:
         embeds = self._embed(root_tokens) if self.heads.config.token_conditioned else None

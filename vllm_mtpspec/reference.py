@@ -54,6 +54,8 @@ class ReferenceDecoder:
         self.trees = DraftTreeBuilder(options.tree, self.depth, max_nodes=options.max_tree_nodes,
                                       min_path_prob=options.min_path_prob, dynamic_top_k=options.dynamic_top_k,
                                       rank_accuracy=options.head_rank_accuracy or rank_accuracy)
+        # Heads whose deeper drafts read their own guesses grow their dynamic trees.
+        self.grows_trees = options.tree == "dynamic" and getattr(drafter, "grows_trees", False)
 
     @property
     def static_shape(self) -> TreeShape | None:
@@ -86,6 +88,13 @@ class ReferenceDecoder:
         temps = self.drafter.temperatures[: self.depth].unsqueeze(-1).to(head_logits.device)
         [(shape, tokens)] = self.trees.build(torch.softmax(head_logits / temps, dim=-1).unsqueeze(0))
         return shape, torch.tensor(tokens, dtype=torch.long, device=head_logits.device)
+
+    def _grown_tree(self, root_hidden: torch.Tensor, root: int):
+        """(shape, node tokens) of the tree grown from the root's state (grown_tree.py)."""
+        [(shape, tokens)] = self.trees.grow(self.drafter.draft_step(), root_hidden.unsqueeze(0),
+                                            torch.tensor([root], device=root_hidden.device), depth=self.depth,
+                                            token_ids=self.drafter.draft_ids)
+        return shape, torch.tensor(tokens, dtype=torch.long)
 
     def _lookup(self, context: list[int]):
         """(chain, tokens) copied from the context (lookup.py), or None: as vLLM's proposer does."""
@@ -121,8 +130,11 @@ class ReferenceDecoder:
         result = DecodeResult([root], head_hits=[0] * self.depth, head_tries=[0] * self.depth)
         dtype = hidden.dtype
         while len(result.tokens) < max_new_tokens and root not in eos_token_ids:
-            head_logits = self.drafter.head_logits(root_hidden.unsqueeze(0), torch.tensor([root], device=device))[0]
-            shape, node_tokens = self._lookup(prompt_ids + result.tokens) or self._tree(head_logits)
+            if self.grows_trees:
+                shape, node_tokens = self._lookup(prompt_ids + result.tokens) or self._grown_tree(root_hidden, root)
+            else:
+                head_logits = self.drafter.head_logits(root_hidden.unsqueeze(0), torch.tensor([root], device=device))[0]
+                shape, node_tokens = self._lookup(prompt_ids + result.tokens) or self._tree(head_logits)
             n = len(shape)
             input_ids = torch.cat([torch.tensor([root], device=device), node_tokens.to(device)])
             depths = torch.tensor((0,) + shape.depths, device=device)

@@ -17,8 +17,9 @@ parallel heads' shapes otherwise, so parallel heads can seed them (`from_paralle
 Training feeds the answer's own tokens as the y_i (a chain that is still right, which is
 the only case where depth i's draft is kept), so a depth learns on the states the depth
 before it really produces. Drafting runs depth by depth: one LM-head projection per depth,
-each top-1 read back through the target's embedding. Only chains are drafted this way:
-a tree's other candidates would each need their own deeper states.
+each top-1 read back through the target's embedding. A tree's other candidates each need
+their own deeper states: dynamic trees are grown depth by depth from `draft_step`
+(grown_tree.py), fixed-shape trees do not apply.
 """
 from __future__ import annotations
 
@@ -28,6 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from vllm_mtpspec.grown_tree import DraftStep
 from vllm_mtpspec.heads import LMHead, MTPHeads
 
 Embed = Callable[[torch.Tensor], torch.Tensor]  # token ids [n] -> embeddings [n, d]
@@ -78,6 +80,17 @@ class SequentialHeads(MTPHeads):
                 top1 = logits[-1].argmax(-1)
                 token_embeds = embed(top1 if draft_ids is None else draft_ids[top1])
         return torch.stack(logits, dim=1)
+
+    def draft_step(self, lm_head: LMHead, embed: Embed, temperatures: torch.Tensor) -> "DraftStep":
+        """The step a grown tree takes per depth (grown_tree.py): the states [n, d] of nodes
+        at depth i and their tokens [n] (target ids) -> depth i's states and the
+        temperature-scaled probabilities [n, N] of the token after each node."""
+        def step(i: int, states: torch.Tensor, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            states = self.step(i, states, embed(tokens))
+            logits = self.project(states.unsqueeze(-2), lm_head)[..., 0, :]
+            return states, torch.softmax(logits.float() / temperatures[i], dim=-1)
+
+        return step
 
     @classmethod
     def from_parallel(cls, parallel: MTPHeads) -> "SequentialHeads":

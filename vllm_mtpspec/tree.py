@@ -304,6 +304,20 @@ class DraftTreeBuilder:
             out.append((pruned, pruned.node_tokens(top_ids[b]).tolist()))
         return out
 
+    def grow(self, step, states: torch.Tensor, tokens: torch.Tensor, *, depth: int, budget: int | None = None,
+             token_ids: torch.Tensor | None = None) -> list[tuple[TreeShape, list[int]]]:
+        """Dynamic trees of heads whose deeper drafts read their own guesses, grown depth by
+        depth by `step` (grown_tree.py) from each row's state [B, d] and root token [B],
+        under the same node budget, top-k and threshold as build's."""
+        from vllm_mtpspec.grown_tree import grow_trees
+
+        if self.static_shape is not None:
+            raise ValueError("only dynamic trees are grown; a fixed shape is chosen among every depth's candidates")
+        budget = self.max_nodes if budget is None else min(budget, self.max_nodes)
+        trees = grow_trees(step, states, tokens, depth=depth, max_nodes=budget, top_k=self.dynamic_top_k,
+                           min_path_prob=self.min_path_prob, token_ids=token_ids)
+        return [(t.shape, t.tokens.tolist()) for t in trees]
+
     def _cut_shape(self, depth: int, budget: int) -> TreeShape:
         key = (depth, budget)
         if key not in self._cut_shapes:

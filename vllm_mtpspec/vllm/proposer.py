@@ -71,9 +71,9 @@ class MTPSpecProposer:
             hidden_size=hf_config.hidden_size,
             vocab_size=hf_config.vocab_size,
         )
-        if self.heads_config.chains_only and self.options.tree != "chain":
-            raise ConfigError(f"{self.options.heads}/config.json: head_kind={self.heads_config.head_kind!r} drafts "
-                              f"chains only so far, and tree={self.options.tree!r} was asked: use tree='chain'")
+        if (refusal := self.heads_config.tree_refusal(self.options.tree)) is not None:
+            raise ConfigError(f"{self.options.heads}/config.json: {refusal}, and tree={self.options.tree!r} was asked: "
+                              "use tree='chain'" + (" or tree='dynamic'" if self.heads_config.grows_trees else ""))
         self.depth = wanted or self.heads_config.num_heads
         self.model_path = model_config.model
         self.tied_target = bool(getattr(hf_config, "tie_word_embeddings", False))
@@ -290,18 +290,27 @@ class MTPSpecProposer:
             head_owners = []
         drafting_started = clock()
         if head_owners:
-            if self.block_contexts is not None:
-                probs = self.block_contexts.chain_probs([owners[j] for j in head_owners], newest, req_ids, depth,
-                                                        self._lm_head, self._temperatures, self._draft_ids)
-            else:
-                probs = self._head_probs(hidden_all, [pairs[j] for j in head_owners], sampled_token_ids, depth)
             tree_rows = [n for n, j in enumerate(head_owners) if self._tree_allowed(owners[j], req_ids)]
             on_tree = set(tree_rows)
             chain_rows = [n for n in range(len(head_owners)) if n not in on_tree]
-            chains_built = self._chain_builder.chains(probs[chain_rows], token_ids=self._draft_ids) if chain_rows else []
+            if self.block_contexts is not None:
+                chain_probs = self.block_contexts.chain_probs([owners[j] for j in head_owners], newest, req_ids,
+                                                              depth, self._lm_head, self._temperatures, self._draft_ids)
+                trees = []  # an attention block drafts chains only (tree_refusal)
+            elif self.heads.config.grows_trees:
+                # Each tree node's children come from its own draft step (grown_tree.py).
+                chain_probs = (self._head_probs(hidden_all, [pairs[head_owners[n]] for n in chain_rows],
+                                                sampled_token_ids, depth) if chain_rows else None)
+                trees = self._grown_trees(hidden_all, [pairs[head_owners[n]] for n in tree_rows], sampled_token_ids,
+                                          depth, budget) if tree_rows else []
+            else:
+                probs = self._head_probs(hidden_all, [pairs[j] for j in head_owners], sampled_token_ids, depth)
+                chain_probs = probs[chain_rows]
+                trees = self._tree_builder.build(probs[tree_rows], budget=budget,
+                                                 token_ids=self._draft_ids) if tree_rows else []
+            chains_built = self._chain_builder.chains(chain_probs, token_ids=self._draft_ids) if chain_rows else []
             for n, (tokens, path) in zip(chain_rows, chains_built):
                 chains[head_owners[n]] = Candidate("heads", False, len(tokens), tuple(path), tuple(tokens))
-            trees = self._tree_builder.build(probs[tree_rows], budget=budget, token_ids=self._draft_ids) if tree_rows else []
             for n, (shape, tokens) in zip(tree_rows, trees):
                 i = owners[head_owners[n]]
                 drafts[i] = tokens
@@ -342,15 +351,28 @@ class MTPSpecProposer:
     def _request_samples(self, batch_index: int) -> bool:
         return self._is_sampled is not None and bool(self._is_sampled(batch_index))
 
+    @staticmethod
+    def _roots(hidden_all: torch.Tensor, pairs: list[tuple[int, int]], sampled_token_ids):
+        """(request, row) pairs -> the states [B, d] the heads read and the sampled tokens [B]."""
+        hidden = hidden_all[torch.tensor([row for _, row in pairs], device=hidden_all.device)]
+        return hidden, torch.tensor([sampled_token_ids[i][-1] for i, _ in pairs], device=hidden.device)
+
     def _head_probs(self, hidden_all: torch.Tensor, pairs: list[tuple[int, int]], sampled_token_ids,
                     depth: int) -> torch.Tensor:
         """(request, row) pairs -> the heads' temperature-scaled probabilities [B, depth, V]
         (V: the draft vocabulary's N entries where the heads have one)."""
-        hidden = hidden_all[torch.tensor([row for _, row in pairs], device=hidden_all.device)]
-        token_ids = torch.tensor([sampled_token_ids[i][-1] for i, _ in pairs], device=hidden.device)
+        hidden, token_ids = self._roots(hidden_all, pairs, sampled_token_ids)
         embeds = self._embed(token_ids) if self.heads.config.token_conditioned else None
         logits = self.heads.draft_logits(hidden, embeds, depth, self._lm_head, self._embed, self._draft_ids)
         return torch.softmax(logits.float() / self._temperatures[:depth, None], dim=-1)  # [B, depth, V]
+
+    def _grown_trees(self, hidden_all: torch.Tensor, pairs: list[tuple[int, int]], sampled_token_ids, depth: int,
+                     budget: int) -> list[tuple[TreeShape, list[int]]]:
+        """(request, row) pairs -> each request's dynamic tree, grown depth by depth by heads
+        whose deeper drafts read their own guesses (grown_tree.py)."""
+        hidden, token_ids = self._roots(hidden_all, pairs, sampled_token_ids)
+        step = self.heads.draft_step(self._lm_head, self._embed, self._temperatures)
+        return self._tree_builder.grow(step, hidden, token_ids, depth=depth, budget=budget, token_ids=self._draft_ids)
 
     def _send_chain(self, batch_index: int, shape: TreeShape, tokens: list[int], drafts, req_ids) -> None:
         drafts[batch_index] = tokens
