@@ -127,16 +127,19 @@ def test_bench_end_to_end_writes_json_markdown_and_plot(tmp_path):
         assert image.size[0] > 1000
 
 
-def test_draft_size_variants_fixed_learned_and_planned(tmp_path):
+def test_draft_size_variants_default_fixed_learned_and_planned(tmp_path):
     from vllm_mtpspec.config import SpecOptions
 
     methods = build_methods(["mtpspec-chain"], model_dir="m", heads_dirs=["h"], num_heads=[3], quants=["fp"],
-                            tree="consensus", work_dir=tmp_path, draft_sizes=["fixed", "adaptive", "planned"])
-    assert [m.name for m in methods] == ["mtpspec-chain k=3 +lookup", "mtpspec-chain k=3 +lookup adaptive-size",
+                            tree="consensus", work_dir=tmp_path,
+                            draft_sizes=["default", "fixed", "adaptive", "planned"])
+    assert [m.name for m in methods] == ["mtpspec-chain k=3 +lookup", "mtpspec-chain k=3 +lookup fixed-size",
+                                         "mtpspec-chain k=3 +lookup adaptive-size",
                                          "mtpspec-chain k=3 +lookup planned-size"]
     options = [SpecOptions.from_dict({k: v for k, v in m.speculative_config.items() if k not in ("method", "model")})
                for m in methods]
-    assert [o.draft_size_rule("fixed") for o in options] == ["fixed", "learned", "planned"]
+    # The default row leaves the rule to the platform: here one whose default is "planned".
+    assert [o.draft_size_rule("planned") for o in options] == ["planned", "fixed", "learned", "planned"]
 
 
 def test_a_second_engine_without_speculation_measures_the_noise(tmp_path):

@@ -27,9 +27,10 @@ def make_proposer(tiny_model, tiny_model_dir, tmp_path):
     heads_dir = save_heads(heads, tmp_path / "heads")
 
     def make(max_drafts=3, **options):
-        # The fixed back-off (the default): these tests pin how much is drafted.
+        # The fixed back-off unless a test asks for another rule: these tests pin how much is drafted.
         options = {"heads": str(heads_dir), "min_path_prob": 0.0, "adaptive_draft_size": False,
-                   "batch_backoff_start": 4, **options}
+                   "batch_backoff_start": 4, **({} if options.get("adaptive_draft_size") else {"draft_size": "fixed"}),
+                   **options}
         config = SimpleNamespace(
             additional_config={"mtpspec": options},
             model_config=SimpleNamespace(model=str(tiny_model_dir), hf_text_config=tiny_model.config,
@@ -259,7 +260,7 @@ def test_without_a_distributed_group_the_proposer_decides_alone():
 
 
 def test_the_planners_lengths_cut_each_requests_chain(make_proposer):
-    p, heads, model = make_proposer(draft_size="planned")
+    p, heads, model = make_proposer(draft_size="planned", batch_backoff_start=1)
     assert p.planner is not None and p.draft_sizes is None
     hidden = torch.randn(3, model.config.hidden_size)
     offered = []
@@ -285,7 +286,7 @@ def test_the_planners_lengths_cut_each_requests_chain(make_proposer):
 def test_while_the_planner_rests_the_heads_only_lookup_drafts_are_offered(make_proposer):
     import numpy as np
 
-    p, heads, model = make_proposer(draft_size="planned", prompt_lookup_max=3)
+    p, heads, model = make_proposer(draft_size="planned", batch_backoff_start=1, prompt_lookup_max=3)
     p.planner.wants_heads = lambda batch_size, sampled: False
     calls = []
     original_hidden = p.heads.hidden
@@ -303,7 +304,7 @@ def test_while_proposing_does_not_pay_no_context_is_searched_and_nothing_is_draf
 
     import vllm_mtpspec.vllm.proposer as proposer_module
 
-    p, heads, model = make_proposer(draft_size="planned", prompt_lookup_max=3)
+    p, heads, model = make_proposer(draft_size="planned", batch_backoff_start=1, prompt_lookup_max=3)
     searched = []
     monkeypatch.setattr(proposer_module, "lookup_draft", lambda *a, **k: searched.append(1) or [7, 8, 9])
     token_ids = np.zeros((2, 16), dtype=np.int64)
@@ -321,7 +322,7 @@ def test_while_proposing_does_not_pay_no_context_is_searched_and_nothing_is_draf
 
 
 def test_the_planner_learns_from_what_each_step_verified_and_how_long_it_took(make_proposer):
-    p, _, model = make_proposer(draft_size="planned")
+    p, _, model = make_proposer(draft_size="planned", batch_backoff_start=1)
     now = [0.0]
     p.planner.clock = lambda: now[0]
     p.capture_step(torch.randn(2, model.config.hidden_size), None, ["a", "b"], decode_only=True)
@@ -337,7 +338,7 @@ def test_the_planner_learns_from_what_each_step_verified_and_how_long_it_took(ma
 def draft_lengths_on_two_planning_ranks(make_proposer, share: bool, steps=120):
     from vllm_mtpspec.vllm.parallel import RankZeroDecision
 
-    ranks = [make_proposer(draft_size="planned")[0] for _ in range(2)]
+    ranks = [make_proposer(draft_size="planned", batch_backoff_start=1)[0] for _ in range(2)]
     broadcast = SharedBroadcast()
     # Every draft is kept. Rank 0's clock says verification is free, rank 1's that every
     # query token costs more than a step without drafts.
@@ -367,3 +368,28 @@ def test_every_tensor_parallel_rank_sends_the_plan_rank_zero_made(make_proposer)
     assert alone[0][-20:] != alone[1][-20:], "the two clocks must lead to different plans for this test to mean anything"
     shared = draft_lengths_on_two_planning_ranks(make_proposer, share=True)
     assert shared[0] == shared[1] and shared[0] == alone[0]
+
+
+def test_below_the_backoff_start_the_planner_leaves_whole_chains_and_plans_from_it(make_proposer):
+    p, heads, model = make_proposer(draft_size="planned", batch_backoff_start=3)
+    planned = []
+    plan = p.planner.plan
+    p.planner.plan = lambda req_ids, *a, **k: planned.append(len(req_ids)) or [0] * len(req_ids)
+    hidden = torch.randn(3, model.config.hidden_size)
+    p.capture_step(hidden[:2], None, ["a", "b"], decode_only=True)
+    drafts = p.propose([[1], [2]])
+    assert drafts == [expected_chain(heads, model, hidden[i]) for i in range(2)] and not planned
+    assert not p.planner.held_requests()  # nothing it sent is waiting to be matched
+    p.capture_step(hidden, None, ["a", "b", "c"], decode_only=True)
+    assert p.propose([[1], [2], [3]]) == [[], [], []] and planned == [3]
+    p.planner.plan = plan
+    p.capture_step(hidden[:2], None, ["a", "b"], decode_only=True)
+    p.propose([[1], [2]])
+    assert not p.planner.held_requests()
+
+
+def test_the_planner_is_the_default_on_a_cpu_for_chains_only(make_proposer):
+    p, _, _ = make_proposer(draft_size=None)
+    assert p.draft_size_rule == "planned" and p.planner is not None
+    p, _, _ = make_proposer(max_drafts=8, tree="consensus", max_tree_nodes=8, draft_size=None)
+    assert p.draft_size_rule == "fixed" and p.planner is None

@@ -216,15 +216,17 @@ class SpecOptions:
     dynamic_top_k: int = 4                # candidates per head considered by dynamic trees
     min_path_prob: float = 0.02           # adaptive depth: stop growing below this
     head_rank_accuracy: list[list[float]] | None = None  # static trees: acc[depth][rank]
-    # How much to draft per step (draft_size; None: the platform's default, "fixed" so far):
+    # How much to draft per step (draft_size; None: the platform's default, "planned" for
+    # chains on CPUs, "fixed" elsewhere and for trees):
     # - "fixed": a back-off, above batch_backoff_start running requests one token fewer
     #   (and half the tree nodes) per doubling (batch_backoff_start None: 4 on CPUs, 16
     #   elsewhere);
     # - "learned": per batch size, the size with the most measured tokens per second
     #   (adaptive.py), starting where the fixed back-off would draft;
-    # - "planned": per request and step, the drafts whose expected accepted tokens are
-    #   worth the verify time they add, by the step cost measured while serving
-    #   (draft_planner.py); chains only.
+    # - "planned": from batch_backoff_start running requests up, per request and step, the
+    #   drafts whose expected accepted tokens are worth the verify time they add, by the
+    #   step cost measured while serving (draft_planner.py); below it, whole chains as the
+    #   fixed rule drafts them; chains only.
     # adaptive_draft_size=true is the older spelling of draft_size="learned".
     draft_size: str | None = None
     adaptive_draft_size: bool = False

@@ -278,6 +278,13 @@ class DraftPlanner:
                 for m in range(n):
                     calibration.observe(c.path_probs[m], m < kept)
 
+    def step_not_planned(self) -> None:
+        """A step another rule drafted (a batch too small to plan): neither what was sent
+        before nor the time since is matched to what the next planned step sees."""
+        self._sent = {}
+        self._verify_started = None
+        self._observed_at = None
+
     def forget(self, req_id: str) -> None:
         self._sent.pop(req_id, None)
 

@@ -49,10 +49,12 @@ def add_parser(sub) -> None:
     p.add_argument("--prompt-lookup", default="on",
                    help="on (mtpspec's default), off or off,on: mtpspec methods also draft from the context where "
                         "it repeats (prompt_lookup_max=4), one row each")
-    p.add_argument("--draft-size", default="fixed",
-                   help="fixed, adaptive, planned or a comma-separated mix: mtpspec methods follow the fixed batch "
-                        "back-off, learn how much to draft per batch size (draft_size=learned), or plan each "
-                        "request's drafts from measured step costs (draft_size=planned); one row each")
+    p.add_argument("--draft-size", default="default",
+                   help="default, fixed, adaptive, planned or a comma-separated mix: mtpspec methods follow the "
+                        "platform's default rule (the planner on CPUs, the fixed back-off elsewhere; the row is "
+                        "not labelled), the fixed batch back-off, learn how much to draft per batch size "
+                        "(draft_size=learned), or plan each request's drafts from measured step costs "
+                        "(draft_size=planned); one row each")
     p.add_argument("--draft-dtype", default="auto",
                    help="auto, model, bfloat16, float16, float32 or a comma-separated mix: the dtype mtpspec's heads "
                         "draft in (auto: bf16 for an fp32 model on a CPU with native bf16, else the model's); one "

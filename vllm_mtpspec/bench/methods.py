@@ -8,9 +8,9 @@
 - draft: vLLM's draft-model method with a truncated copy of the target (draft_model.py).
 - mtpspec-chain / mtpspec-tree: our heads, as top-1 chains or verified as trees; one
   variant per number of heads, per quantization, with or without prompt lookup, and with
-  the draft size from the fixed batch back-off (the default), learned (adaptive) or
-  planned per request from measured step costs (planned), and per draft dtype (the
-  platform's choice, "auto", by default).
+  the draft size the platform's default rule chooses (default), the fixed batch back-off
+  (fixed), learned (adaptive) or planned per request from measured step costs (planned),
+  and per draft dtype (the platform's choice, "auto", by default).
 """
 from __future__ import annotations
 
@@ -20,8 +20,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 KNOWN_METHODS = ("none", "none-again", "ngram", "suffix", "draft", "mtpspec-chain", "mtpspec-tree")
-DRAFT_SIZES = ("fixed", "adaptive", "planned")
-DRAFT_SIZE_OPTION = {"fixed": "fixed", "adaptive": "learned", "planned": "planned"}  # -> SpecOptions.draft_size
+DRAFT_SIZES = ("default", "fixed", "adaptive", "planned")
+# -> SpecOptions.draft_size; "default": none given, the platform's own rule (the row a user gets)
+DRAFT_SIZE_OPTION = {"default": None, "fixed": "fixed", "adaptive": "learned", "planned": "planned"}
 PROMPT_LOOKUP_MAX = 4  # as the ngram row's prompt_lookup_max, so the two draft from the same matches
 
 
@@ -37,7 +38,7 @@ class Method:
 def build_methods(names: list[str], *, model_dir: str, heads_dirs: list[str], num_heads: list[int], quants: list[str],
                   tree: str, work_dir: Path, max_tree_nodes: int = 8, num_spec_tokens: int = 3,
                   draft_layers: int = 6, lookups: list[bool] = (True,),
-                  draft_sizes: list[str] = ("fixed",), draft_dtypes: list[str] = ("auto",)) -> list[Method]:
+                  draft_sizes: list[str] = ("default",), draft_dtypes: list[str] = ("auto",)) -> list[Method]:
     unknown = [n for n in names if n not in KNOWN_METHODS]
     if unknown:
         raise ValueError(f"--methods: unknown {unknown}; choose from {', '.join(KNOWN_METHODS)}")
@@ -81,8 +82,8 @@ def build_methods(names: list[str], *, model_dir: str, heads_dirs: list[str], nu
                         config["prompt_lookup_max"] = PROMPT_LOOKUP_MAX if lookup else 0
                         if lookup:
                             label += " +lookup"
-                        config["draft_size"] = DRAFT_SIZE_OPTION[draft_size]
-                        if draft_size != "fixed":
+                        if draft_size != "default":
+                            config["draft_size"] = DRAFT_SIZE_OPTION[draft_size]
                             label += f" {draft_size}-size"
                         config["draft_dtype"] = dtype
                         if len(draft_dtypes) > 1 or dtype != "auto":

@@ -22,8 +22,14 @@ def default_backoff_start() -> int:
 
 
 def default_draft_size() -> str:
-    """The draft-size rule (SpecOptions.draft_size) where none is asked for."""
-    return "fixed"
+    """The draft-size rule (SpecOptions.draft_size) where none is asked for: on CPUs the
+    planner, which measured at or above the fixed back-off from the back-off start up (most
+    on sampled batches, where whole chains go to waste) and drafts the fixed rule's whole
+    chains below it (benchmarks/RESULTS.md, "The planner from the back-off start"); elsewhere
+    the fixed back-off, until the planner is measured there."""
+    from vllm.platforms import current_platform
+
+    return "planned" if current_platform.is_cpu() else "fixed"
 
 
 def sampled_chains_verifier() -> str:

@@ -11,17 +11,19 @@ Drafts are the heads' candidates:
 - consensus / static / dynamic trees: the tree's node tokens, breadth-first, with the
   same cut applied to every node's path probability. The shape is remembered per request
   (`proposed_trees`) so the runner can verify the tree next step (tree_step.py). A
-  request the tree path cannot serve (fallback.py) gets the chain instead.
+  request the tree path cannot serve (fallback.py) gets the chain instead. Sequential
+  heads grow their dynamic trees depth by depth from their own drafts (grown_tree.py).
 - prompt lookup (lookup.py, when prompt_lookup_max is set): where the context's last
   tokens occurred before, what followed them is the request's draft, as a chain, and
   the heads are not run for it.
 How much to draft (`draft_size`) follows one of three rules. "fixed": chain depth and
 tree size shrink for large batches, where verifying extra tokens stops being free (sooner
 on CPUs). "learned": the draft-size controller (adaptive.py) starts from that rule and
-moves to the size with the most measured tokens per second. "planned": the draft planner
-(draft_planner.py) gives each request the drafts whose expected accepted tokens are worth
-the verify time they add, by step costs it measures while serving, and skips the whole
-proposal (lookup included) for kinds of batch where no drafts have paid for its time.
+moves to the size with the most measured tokens per second. "planned": from
+batch_backoff_start requests up, the draft planner (draft_planner.py) gives each request
+the drafts whose expected accepted tokens are worth the verify time they add, by step
+costs it measures while serving, and skips the whole proposal (lookup included) for kinds
+of batch where no drafts have paid for its time; smaller batches draft whole chains.
 """
 from __future__ import annotations
 
@@ -121,6 +123,14 @@ class MTPSpecProposer:
                 self.draft_sizes = DraftSizeController(self.depth, prior=self.depth_for_batch, nested=True)
         self._drafted_batch: set[str] | None = None  # requests of the last drafted step
         self._last_size_log = time.monotonic()
+        start = self.batch_backoff_start
+        logger.info("mtpspec: draft size %s: %s", self.draft_size_rule, {
+            "fixed": f"whole drafts up to {start} running requests, one token fewer (half the tree nodes) per "
+                     "doubling past it",
+            "learned": "per batch size, the size with the most measured tokens per second",
+            "planned": f"whole chains below {start} running requests; from {start} up, each request's drafts as "
+                       "far as their expected tokens are worth the verify time they add (measured while serving)",
+        }[self.draft_size_rule])
 
     def forget(self, req_id: str) -> None:
         """A request finished or was aborted: nothing of it is kept."""
@@ -213,8 +223,8 @@ class MTPSpecProposer:
                     sampled: list[bool] | None = None) -> tuple[int, int]:
         """(chain depth, tree node budget) for this step; live: the set of req_ids."""
         num_requests = len(sampled_token_ids)
-        if self.planner is not None:  # the planner cuts each request's chain itself, or rests
-            proposing = self._rank_zero(lambda: self.planner.wants_proposal(num_requests, any(sampled or ())))
+        if sampled is not None:  # the planner plans this step: it cuts each request's chain itself, or rests
+            proposing = self._rank_zero(lambda: self.planner.wants_proposal(num_requests, any(sampled)))
             return (self.depth, 0) if proposing else (0, 0)
         if self.draft_sizes is None:
             return self.depth_for_batch(num_requests), self.tree_budget_for_batch(num_requests)
@@ -248,9 +258,19 @@ class MTPSpecProposer:
         logger.info("mtpspec: %d running requests: drafting %d %s; measured tokens/s by draft size: %s",
                     num_requests, sizes[level], unit, measured)
 
+    def _plans(self, num_requests: int) -> bool:
+        """Whether the planner decides this step's drafts: from batch_backoff_start requests
+        up. Below it a chain costs little next to the step and every whole chain pays on
+        average (benchmarks/RESULTS.md, "The planner from the back-off start"), so the fixed
+        rule's whole chains go out, and the planner's gates, fed by timings that another
+        process's work can skew for minutes, are not relied on there."""
+        return self.planner is not None and num_requests >= self.batch_backoff_start
+
     @torch.inference_mode()
     def propose(self, sampled_token_ids, num_tokens_no_spec=None, token_ids_cpu=None, slot_mappings=None, **_) -> list[list[int]]:
-        if self.planner is None:
+        if not self._plans(len(sampled_token_ids)):
+            if self.planner is not None:
+                self.planner.step_not_planned()
             return self._propose(sampled_token_ids, num_tokens_no_spec, token_ids_cpu)
         sampled = [self._request_samples(i) for i in range(len(sampled_token_ids))]
         self.planner.observe_step(self._batch_ids(len(sampled_token_ids)), [len(t) for t in sampled_token_ids],
@@ -262,6 +282,8 @@ class MTPSpecProposer:
 
     def _propose(self, sampled_token_ids, num_tokens_no_spec, token_ids_cpu,
                  sampled: list[bool] | None = None) -> list[list[int]]:
+        """sampled: whether each request samples, given where the planner plans this step."""
+        planner = self.planner if sampled is not None else None
         hidden_all = self._sample_hidden_states
         self._sample_hidden_states = None
         drafts: list[list[int]] = [[] for _ in sampled_token_ids]
@@ -274,7 +296,7 @@ class MTPSpecProposer:
         if hidden_all is None or depth == 0:
             return drafts
         # The planner's own clock: what it compares drafting against is timed by it too.
-        clock = self.planner.clock if self.planner is not None else time.perf_counter
+        clock = planner.clock if planner is not None else time.perf_counter
         proposing_started = clock()
         pairs = last_sampled_rows(sampled_token_ids, self._num_draft_tokens, hidden_all.shape[0], self._tree_rows)
         if not pairs:
@@ -285,8 +307,8 @@ class MTPSpecProposer:
         chains = {j: Candidate("lookup", False, len(tokens), tokens=tuple(tokens))
                   for j, tokens in self._lookup_drafts(owners, depth, num_tokens_no_spec, token_ids_cpu).items()}
         head_owners = [j for j in range(len(owners)) if j not in chains]
-        if head_owners and self.planner is not None and not self._rank_zero(
-                lambda: self.planner.wants_heads(len(sampled_token_ids), any(sampled))):
+        if head_owners and planner is not None and not self._rank_zero(
+                lambda: planner.wants_heads(len(sampled_token_ids), any(sampled))):
             head_owners = []
         drafting_started = clock()
         if head_owners:
@@ -315,9 +337,9 @@ class MTPSpecProposer:
                 i = owners[head_owners[n]]
                 drafts[i] = tokens
                 self.proposed_trees[req_ids[i]] = ProposedTree(shape, tuple(tokens))
-        if self.planner is not None:
+        if planner is not None:
             chains = self._planned(chains, owners, sampled, clock() - drafting_started if head_owners else 0.0)
-            self.planner.proposal_took(clock() - proposing_started)
+            planner.proposal_took(clock() - proposing_started)
         for j, chain in chains.items():
             self._send_chain(owners[j], chain_tree(chain.length), list(chain.tokens[:chain.length]), drafts, req_ids)
         return drafts
