@@ -186,6 +186,14 @@ def evaluate_heads(heads, shard_files: list[Path], *, lm_head: torch.Tensor, emb
     accepted_cat = {name: defaultdict(list) for name in replays}
     accepted_len = {name: defaultdict(list) for name in replays}
     accepted_src = {name: defaultdict(list) for name in replays}
+
+    def record(name: str, lengths: list[int], category: str, bucket: str, source: str) -> None:
+        """One replay's accepted lengths, overall and in its category, context and source groups."""
+        accepted[name].extend(lengths)
+        accepted_cat[name][category].extend(lengths)
+        accepted_len[name][bucket].extend(lengths)
+        accepted_src[name][source].extend(lengths)
+
     for file in shard_files:
         source = Path(file).parent.name
         shard = torch.load(file, weights_only=True)
@@ -228,10 +236,7 @@ def evaluate_heads(heads, shard_files: list[Path], *, lm_head: torch.Tensor, emb
                 rank_idx = torch.tensor(shape.ranks, dtype=torch.long)
                 node_tokens = topk_all[:, depth_idx, rank_idx]
                 lengths = replay_tree(shape, node_tokens, tokens)
-                accepted[name].extend(lengths)
-                accepted_cat[name][category].extend(lengths)
-                accepted_len[name][bucket].extend(lengths)
-                accepted_src[name][source].extend(lengths)
+                record(name, lengths, category, bucket, source)
                 if name == "chain" and "chain+lookup" in accepted:
                     context = np.asarray(list(shard["prompt_ids"][j]) + tokens.tolist())
                     first = len(shard["prompt_ids"][j])
@@ -240,19 +245,13 @@ def evaluate_heads(heads, shard_files: list[Path], *, lm_head: torch.Tensor, emb
                         return lookup_draft(context[:first + r + 1], min_n=prompt_lookup[0],
                                             max_n=prompt_lookup[1], k=len(shape))
                     lengths = replay_tree(shape, node_tokens, tokens, lookup)
-                    accepted["chain+lookup"].extend(lengths)
-                    accepted_cat["chain+lookup"][category].extend(lengths)
-                    accepted_len["chain+lookup"][bucket].extend(lengths)
-                    accepted_src["chain+lookup"][source].extend(lengths)
+                    record("chain+lookup", lengths, category, bucket, source)
             if grown:
                 grown_trees = grown_trees_along(heads, shard["hidden"][start:end], tokens, project, embed,
                                                 max_nodes=max_tree_nodes, top_k=defaults.dynamic_top_k,
                                                 min_path_prob=defaults.min_path_prob)
                 lengths = replay_trees(grown_trees.__getitem__, tokens)
-                accepted["dynamic"].extend(lengths)
-                accepted_cat["dynamic"][category].extend(lengths)
-                accepted_len["dynamic"][bucket].extend(lengths)
-                accepted_src["dynamic"][source].extend(lengths)
+                record("dynamic", lengths, category, bucket, source)
     rank_accuracy = (hits / rows.clamp_min(1)[:, None])
     summary = {
         "rows": int(rows[0].item()),
