@@ -49,6 +49,24 @@ def test_mtpspec_variants_per_head_count_and_prompt_lookup(tmp_path):
     translate(with_lookup, None)  # a config vLLM will accept
 
 
+def test_tree_rows_per_node_budget_and_chains_once(tmp_path):
+    methods = build_methods(["mtpspec-chain", "mtpspec-tree"], model_dir="m", heads_dirs=["h"], num_heads=[4],
+                            quants=["fp"], tree="consensus", work_dir=tmp_path, max_tree_nodes=[8, 16])
+    assert [m.name for m in methods] == ["mtpspec-chain k=4 +lookup", "mtpspec-consensus k=4 n<=8 +lookup",
+                                         "mtpspec-consensus k=4 n<=16 +lookup"]
+    assert "max_tree_nodes" not in methods[0].speculative_config
+    assert [m.speculative_config["max_tree_nodes"] for m in methods[1:]] == [8, 16]
+
+
+def test_engine_settings_serve_the_asked_dtype():
+    from vllm_mtpspec.bench.runner import engine_settings
+
+    fp32 = engine_settings(4, 512, 64, bytes_per_token=1000)
+    bf16 = engine_settings(4, 512, 64, bytes_per_token=500, dtype="bf16")
+    assert (fp32["dtype"], bf16["dtype"]) == ("float32", "bfloat16")
+    assert bf16["kv_cache_memory_bytes"] < fp32["kv_cache_memory_bytes"]
+
+
 def test_truncated_draft_model_keeps_the_first_layers(tiny_model_dir, tmp_path):
     from safetensors.torch import load_file
 
@@ -237,3 +255,4 @@ def test_each_asked_draft_dtype_is_a_row_of_its_own(tiny_model, tiny_model_dir, 
     default = build_methods(["mtpspec-chain"], model_dir="m", heads_dirs=[str(heads)], num_heads=[2], quants=["fp"],
                             tree="consensus", work_dir=tmp_path)
     assert default[0].name == "mtpspec-chain k=2 +lookup" and default[0].speculative_config["draft_dtype"] == "auto"
+

@@ -45,7 +45,9 @@ def add_parser(sub) -> None:
     p.add_argument("--quant", default="fp", help="fp, int2 or fp,int2 (heads precision for mtpspec methods)")
     p.add_argument("--tree", default="consensus", choices=("consensus", "static", "dynamic"),
                    help="the tree preset of mtpspec-tree")
-    p.add_argument("--max-tree-nodes", type=int, default=8, help="node budget of mtpspec-tree")
+    p.add_argument("--max-tree-nodes", default="8", help="node budget of mtpspec-tree, e.g. 8,16 (one row each)")
+    p.add_argument("--dtype", default="fp32", choices=("fp32", "bf16"),
+                   help="the served model's dtype, for every engine (bf16 pays on CPUs with AMX or native bf16)")
     p.add_argument("--prompt-lookup", default="on",
                    help="on (mtpspec's default), off or off,on: mtpspec methods also draft from the context where "
                         "it repeats (prompt_lookup_max=4), one row each")
@@ -94,7 +96,7 @@ def run(args) -> int:
     from vllm_mtpspec.cli import shipped_heads_dir
     from vllm_mtpspec.models import cache_root, resolve_model
 
-    model = str(resolve_model(args.model, dtype="fp32"))
+    model = str(resolve_model(args.model, dtype=args.dtype))
     heads_dirs = [h for h in (args.heads or str(shipped_heads_dir())).split(",") if h]
     heads = heads_dirs[0]  # whose memory is reported
     work_dir = Path(args.work_dir) if args.work_dir else cache_root() / "bench"
@@ -103,12 +105,13 @@ def run(args) -> int:
     batch_sizes, temperatures = _ints(args.batch_sizes), [float(t) for t in args.temperatures.split(",")]
     methods = build_methods([m.strip() for m in args.methods.split(",") if m.strip()], model_dir=model,
                             heads_dirs=heads_dirs, num_heads=_ints(args.num_heads), quants=args.quant.split(","),
-                            tree=args.tree, max_tree_nodes=args.max_tree_nodes, work_dir=work_dir,
+                            tree=args.tree, max_tree_nodes=_ints(args.max_tree_nodes), work_dir=work_dir,
                             num_spec_tokens=args.spec_tokens, draft_layers=args.draft_layers,
                             lookups=[x == "on" for x in _choices(args.prompt_lookup, ("off", "on"), "--prompt-lookup")],
                             draft_sizes=_choices(args.draft_size, DRAFT_SIZES, "--draft-size"),
                             draft_dtypes=_choices(args.draft_dtype, DRAFT_DTYPES, "--draft-dtype"))
-    engine = engine_settings(max(batch_sizes), args.max_prompt_tokens, args.max_new_tokens, _kv_bytes_per_token(model))
+    engine = engine_settings(max(batch_sizes), args.max_prompt_tokens, args.max_new_tokens,
+                             _kv_bytes_per_token(model, args.dtype), dtype=args.dtype)
     print(f"{len(prompts)} prompts ({', '.join(sorted({p.category for p in prompts}))}), methods: "
           f"{', '.join(m.name for m in methods)}; batch sizes {batch_sizes}; temperatures {temperatures}")
     started = time.time()
@@ -162,11 +165,12 @@ def cut_prompt(prompt, tokenizer, max_tokens: int):
     return prompt if len(ids) <= budget else replace(prompt, text=tokenizer.decode(ids[-budget:]))
 
 
-def _kv_bytes_per_token(model: str) -> int:
+def _kv_bytes_per_token(model: str, dtype: str) -> int:
     config = json.loads((Path(model) / "config.json").read_text())
     heads = config.get("num_key_value_heads", config["num_attention_heads"])
     head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
-    return 2 * config["num_hidden_layers"] * heads * head_dim * 4  # fp32 keys and values
+    element = {"fp32": 4, "bf16": 2}[dtype]  # the KV cache is kept in the model's dtype
+    return 2 * config["num_hidden_layers"] * heads * head_dim * element
 
 
 def _cpu_name() -> str:

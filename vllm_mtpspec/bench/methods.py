@@ -7,10 +7,11 @@
 - suffix: vLLM's suffix decoding (needs the arctic-inference package).
 - draft: vLLM's draft-model method with a truncated copy of the target (draft_model.py).
 - mtpspec-chain / mtpspec-tree: our heads, as top-1 chains or verified as trees; one
-  variant per number of heads, per quantization, with or without prompt lookup, and with
-  the draft size the platform's default rule chooses (default), the fixed batch back-off
-  (fixed), learned (adaptive) or planned per request from measured step costs (planned),
-  and per draft dtype (the platform's choice, "auto", by default).
+  variant per number of heads, per tree node budget, per quantization, with or without
+  prompt lookup, and with the draft size the platform's default rule chooses (default),
+  the fixed batch back-off (fixed), learned (adaptive) or planned per request from
+  measured step costs (planned), and per draft dtype (the platform's choice, "auto", by
+  default).
 """
 from __future__ import annotations
 
@@ -36,7 +37,7 @@ class Method:
 
 
 def build_methods(names: list[str], *, model_dir: str, heads_dirs: list[str], num_heads: list[int], quants: list[str],
-                  tree: str, work_dir: Path, max_tree_nodes: int = 8, num_spec_tokens: int = 3,
+                  tree: str, work_dir: Path, max_tree_nodes: list[int] = (8,), num_spec_tokens: int = 3,
                   draft_layers: int = 6, lookups: list[bool] = (True,),
                   draft_sizes: list[str] = ("default",), draft_dtypes: list[str] = ("auto",)) -> list[Method]:
     unknown = [n for n in names if n not in KNOWN_METHODS]
@@ -70,14 +71,15 @@ def build_methods(names: list[str], *, model_dir: str, heads_dirs: list[str], nu
             for heads_dir, quant in itertools.product(heads_dirs, quants):
                 heads = heads_dir if quant == "fp" else str(_int2_heads(heads_dir, work_dir))
                 heads_tag = _heads_tag(heads_dir, several=len(heads_dirs) > 1)
-                for k in num_heads:
+                budgets = [None] if method_tree == "chain" else max_tree_nodes
+                for k, budget in itertools.product(num_heads, budgets):
                     for lookup, draft_size, dtype in itertools.product(lookups, draft_sizes, draft_dtypes):
                         config = {"method": "mtpspec", "model": heads, "num_speculative_tokens": k,
                                   "tree": method_tree}
                         label = f"mtpspec-chain k={k}"
-                        if method_tree != "chain":
-                            config["max_tree_nodes"] = max_tree_nodes
-                            label = f"mtpspec-{method_tree} k={k} n<={max_tree_nodes}"
+                        if budget is not None:
+                            config["max_tree_nodes"] = budget
+                            label = f"mtpspec-{method_tree} k={k} n<={budget}"
                         # Either way explicitly: the options' default may change.
                         config["prompt_lookup_max"] = PROMPT_LOOKUP_MAX if lookup else 0
                         if lookup:

@@ -61,9 +61,11 @@ def batches_for(prompts: list[Prompt], batch_size: int) -> list[list[Prompt]]:
     return [pool[i: i + batch_size] for i in range(0, needed, batch_size)]
 
 
-def engine_settings(max_batch: int, max_prompt_tokens: int, max_new_tokens: int, bytes_per_token: int) -> dict:
+def engine_settings(max_batch: int, max_prompt_tokens: int, max_new_tokens: int, bytes_per_token: int,
+                    dtype: str = "fp32") -> dict:
     tokens = max_batch * (max_prompt_tokens + max_new_tokens + 64)
-    return dict(dtype="float32", max_model_len=max_prompt_tokens + max_new_tokens + 64, enforce_eager=True,
+    return dict(dtype={"fp32": "float32", "bf16": "bfloat16"}[dtype],
+                max_model_len=max_prompt_tokens + max_new_tokens + 64, enforce_eager=True,
                 max_num_seqs=max_batch, max_num_batched_tokens=max(2048, max_prompt_tokens + 64),
                 kv_cache_memory_bytes=int(tokens * bytes_per_token * 1.3) + (32 << 20),
                 disable_log_stats=False, seed=0)
