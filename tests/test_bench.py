@@ -256,3 +256,10 @@ def test_each_asked_draft_dtype_is_a_row_of_its_own(tiny_model, tiny_model_dir, 
                             tree="consensus", work_dir=tmp_path)
     assert default[0].name == "mtpspec-chain k=2 +lookup" and default[0].speculative_config["draft_dtype"] == "auto"
 
+
+def test_pacing_rows_ask_for_their_pacing(tmp_path):
+    methods = build_methods(["mtpspec-chain"], model_dir="m", heads_dirs=["h"], num_heads=[3], quants=["fp"],
+                            tree="consensus", work_dir=tmp_path, pacings=["default", "never"])
+    assert [m.name for m in methods] == ["mtpspec-chain k=3 +lookup", "mtpspec-chain k=3 +lookup paced-never"]
+    assert "pace_cohorts" not in methods[0].speculative_config
+    assert methods[1].speculative_config["pace_cohorts"] == "never"

@@ -393,3 +393,37 @@ def test_the_planner_is_the_default_on_a_cpu_for_chains_only(make_proposer):
     assert p.draft_size_rule == "planned" and p.planner is not None
     p, _, _ = make_proposer(max_drafts=8, tree="consensus", max_tree_nodes=8, draft_size=None)
     assert p.draft_size_rule == "fixed" and p.planner is None
+
+
+def test_a_batch_that_started_together_offers_the_planner_only_the_requests_behind(make_proposer):
+    offered = []
+
+    def offered_in(p, sampled):
+        hidden = torch.randn(3, model.config.hidden_size)
+        p.planner.plan = lambda req_ids, candidates, **k: offered.append(candidates) or [3] * len(req_ids)
+        p.capture_step(hidden, None, ["a", "b", "c"], decode_only=True, sampled=sampled.__getitem__,
+                       budget=[(64, 24), (64, 20), (64, 21)].__getitem__)
+        drafts = p.propose([[1], [2], [3]])
+        return [c is not None for c in offered[-1]], drafts
+
+    p, _, model = make_proposer(draft_size="planned", batch_backoff_start=1)
+    # By default a batch with a sampled request is paced: "a" is ahead and waits.
+    assert p.pacing == "sampled"
+    mask, drafts = offered_in(p, [False, True, False])
+    assert mask == [False, True, True]
+    assert drafts[0] == [] and len(drafts[1]) == 3 and p.paced_steps == 1
+    # A greedy batch is not, unless pacing is asked always; and never is never.
+    assert offered_in(make_proposer(draft_size="planned", batch_backoff_start=1)[0], [False] * 3)[0] == [True] * 3
+    always = make_proposer(draft_size="planned", batch_backoff_start=1, pace_cohorts="always")[0]
+    assert offered_in(always, [False] * 3)[0] == [False, True, True]
+    never = make_proposer(draft_size="planned", batch_backoff_start=1, pace_cohorts="never")[0]
+    assert offered_in(never, [True] * 3)[0] == [True] * 3 and never.paced_steps == 0
+
+
+def test_pacing_asked_of_an_engine_that_does_not_plan_is_refused_at_start_up(make_proposer):
+    from vllm_mtpspec.config import ConfigError
+
+    # Trees take the fixed back-off by default: the planner plans chains only.
+    with pytest.raises(ConfigError, match="pace_cohorts='sampled'.*'fixed'"):
+        make_proposer(draft_size=None, tree="consensus", pace_cohorts="sampled")
+    assert make_proposer(draft_size="fixed")[0].pacer is None

@@ -266,6 +266,27 @@ def test_preemption_keeps_greedy_output_unchanged(model_dir, heads_dir, baseline
     assert metrics["vllm:spec_decode_num_accepted_tokens"] > 0
 
 
+def paced_steps(worker) -> int:
+    """For LLM.collective_rpc: the steps the proposer paced (cohort.py)."""
+    return worker.model_runner.drafter.paced_steps
+
+
+def test_a_paced_batch_keeps_greedy_output_unchanged(model_dir, heads_dir, baseline):
+    """The prompts start together: with pacing asked always (and the planner planning from
+    one request), requests ahead wait for the ones behind, read from vLLM's own request
+    state, and the output stays vLLM's."""
+    llm = build(model_dir, speculative_config={"method": "mtpspec", "model": str(heads_dir), "num_speculative_tokens": 3,
+                                               "draft_size": "planned", "batch_backoff_start": 1,
+                                               "pace_cohorts": "always"})
+    outputs = greedy(llm)
+    paced = llm.collective_rpc(paced_steps)[0]
+    metrics = spec_metrics(llm)
+    close(llm)
+    assert paced > 0
+    assert outputs == baseline
+    assert metrics["vllm:spec_decode_num_drafts"] > 0
+
+
 def tree_stats_delta(run):
     from vllm_mtpspec.vllm.hooks import tree_stats
 

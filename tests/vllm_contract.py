@@ -175,6 +175,9 @@ CHECKS: tuple[Check, ...] = (
                ("all_greedy", "all_random", "temperature", "top_k", "top_p", "generators", "max_num_logprobs", "no_penalties",
                 "bad_words_token_ids")),
     Function("apply_top_k_top_p", "v1/sample/ops/topk_topp_sampler.py", "apply_top_k_top_p", ("logits", "k", "p")),
+    # hooks.py: a request's tokens still to make, for pacing a batch that started together
+    Attributes("cached request state", "v1/worker/gpu_input_batch.py", "CachedRequestState",
+               ("sampling_params", "output_token_ids")),
     Attributes("scheduler output", "v1/core/sched/output.py", "SchedulerOutput",
                ("scheduled_spec_decode_tokens", "num_scheduled_tokens")),
     Attributes("spec decode metadata", "v1/spec_decode/metadata.py", "SpecDecodeMetadata", ("num_draft_tokens",)),

@@ -25,6 +25,7 @@ CHAIN_ONLY_HEAD_KINDS = ("sequential", "attention")
 GROWN_TREE_HEAD_KINDS = ("sequential",)
 TREE_PRESETS = ("chain", "consensus", "static", "dynamic")
 DRAFT_SIZES = ("fixed", "learned", "planned")
+PACE_COHORTS = ("never", "sampled", "always")
 # The dtype the heads draft in: "auto" (the platform's choice, platform_defaults.py),
 # "model" (the served model's dtype), or a dtype. Only the drafts depend on it: the
 # target verifies them in its own dtype, so the output does not.
@@ -231,6 +232,14 @@ class SpecOptions:
     draft_size: str | None = None
     adaptive_draft_size: bool = False
     batch_backoff_start: int | None = None
+    # "planned" only: in a batch whose requests all started together and that nobody joins
+    # (LLM.generate on a list of prompts) with one max_tokens, only the requests that have
+    # made the fewest tokens draft, so that the batch ends together instead of in a tail of near-empty steps
+    # (cohort.py): in batches with a sampled request ("sampled"), in every such batch
+    # ("always") or never. None: "sampled" wherever the planner plans (side by side, pacing
+    # measured ahead of unpaced on sampled batches and behind on greedy ones;
+    # benchmarks/RESULTS.md).
+    pace_cohorts: str | None = None
     # Prompt lookup (lookup.py): where the context's last prompt_lookup_min..max tokens
     # occurred before, draft what followed them instead of the heads' guesses. 0: off.
     # On by default: at batch 1 it took mtpspec from 1.03x to 1.33x-1.54x of vLLM alone,
@@ -253,6 +262,12 @@ class SpecOptions:
             raise ConfigError(f"batch_backoff_start={self.batch_backoff_start}: must be >= 1")
         if not isinstance(self.adaptive_draft_size, bool):
             raise ConfigError(f"adaptive_draft_size={self.adaptive_draft_size!r}: must be true or false")
+        if self.pace_cohorts is not None and self.pace_cohorts not in PACE_COHORTS:
+            raise ConfigError(f"pace_cohorts={self.pace_cohorts!r}: choose one of {PACE_COHORTS}")
+        if self.pace_cohorts not in (None, "never") and self.draft_size not in (None, "planned"):
+            raise ConfigError(f"pace_cohorts={self.pace_cohorts!r} paces the planner's drafts and "
+                              f"draft_size={self.draft_size!r} was asked: give draft_size='planned', or "
+                              "pace_cohorts='never'")
         if self.draft_size is not None and self.draft_size not in DRAFT_SIZES:
             raise ConfigError(f"draft_size={self.draft_size!r}: choose one of {DRAFT_SIZES}")
         if self.adaptive_draft_size and self.draft_size not in (None, "learned"):

@@ -57,6 +57,10 @@ def add_parser(sub) -> None:
                         "not labelled), the fixed batch back-off, learn how much to draft per batch size "
                         "(draft_size=learned), or plan each request's drafts from measured step costs "
                         "(draft_size=planned); one row each")
+    p.add_argument("--pace-cohorts", default="default",
+                   help="default, never, sampled, always or a comma-separated mix: where the planner plans, whether "
+                        "a batch whose requests started together lets only the requests that have made the fewest "
+                        "tokens draft (pace_cohorts; default: in batches with a sampled request); one row each")
     p.add_argument("--draft-dtype", default="auto",
                    help="auto, model, bfloat16, float16, float32 or a comma-separated mix: the dtype mtpspec's heads "
                         "draft in (auto: bf16 for an fp32 model on a CPU with native bf16, else the model's); one "
@@ -89,7 +93,7 @@ def _ints(text: str) -> list[int]:
 
 def run(args) -> int:
     from vllm_mtpspec.bench.methods import DRAFT_SIZES, build_methods, int2_copy_path
-    from vllm_mtpspec.config import DRAFT_DTYPES
+    from vllm_mtpspec.config import DRAFT_DTYPES, PACE_COHORTS
     from vllm_mtpspec.bench.prompts import load_bench_prompts
     from vllm_mtpspec.bench.report import heads_memory, markdown, plot, summarize
     from vllm_mtpspec.bench.runner import engine_settings, run_benchmark, save_json
@@ -109,7 +113,8 @@ def run(args) -> int:
                             num_spec_tokens=args.spec_tokens, draft_layers=args.draft_layers,
                             lookups=[x == "on" for x in _choices(args.prompt_lookup, ("off", "on"), "--prompt-lookup")],
                             draft_sizes=_choices(args.draft_size, DRAFT_SIZES, "--draft-size"),
-                            draft_dtypes=_choices(args.draft_dtype, DRAFT_DTYPES, "--draft-dtype"))
+                            draft_dtypes=_choices(args.draft_dtype, DRAFT_DTYPES, "--draft-dtype"),
+                            pacings=_choices(args.pace_cohorts, ("default",) + PACE_COHORTS, "--pace-cohorts"))
     engine = engine_settings(max(batch_sizes), args.max_prompt_tokens, args.max_new_tokens,
                              _kv_bytes_per_token(model, args.dtype), dtype=args.dtype)
     print(f"{len(prompts)} prompts ({', '.join(sorted({p.category for p in prompts}))}), methods: "

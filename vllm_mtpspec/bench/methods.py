@@ -10,8 +10,9 @@
   variant per number of heads, per tree node budget, per quantization, with or without
   prompt lookup, and with the draft size the platform's default rule chooses (default),
   the fixed batch back-off (fixed), learned (adaptive) or planned per request from
-  measured step costs (planned), and per draft dtype (the platform's choice, "auto", by
-  default).
+  measured step costs (planned), per draft dtype (the platform's choice, "auto", by
+  default), and per pacing of batches that started together (pace_cohorts: the
+  default, or never, sampled or always).
 """
 from __future__ import annotations
 
@@ -39,7 +40,8 @@ class Method:
 def build_methods(names: list[str], *, model_dir: str, heads_dirs: list[str], num_heads: list[int], quants: list[str],
                   tree: str, work_dir: Path, max_tree_nodes: list[int] = (8,), num_spec_tokens: int = 3,
                   draft_layers: int = 6, lookups: list[bool] = (True,),
-                  draft_sizes: list[str] = ("default",), draft_dtypes: list[str] = ("auto",)) -> list[Method]:
+                  draft_sizes: list[str] = ("default",), draft_dtypes: list[str] = ("auto",),
+                  pacings: list[str] = ("default",)) -> list[Method]:
     unknown = [n for n in names if n not in KNOWN_METHODS]
     if unknown:
         raise ValueError(f"--methods: unknown {unknown}; choose from {', '.join(KNOWN_METHODS)}")
@@ -73,7 +75,8 @@ def build_methods(names: list[str], *, model_dir: str, heads_dirs: list[str], nu
                 heads_tag = _heads_tag(heads_dir, several=len(heads_dirs) > 1)
                 budgets = [None] if method_tree == "chain" else max_tree_nodes
                 for k, budget in itertools.product(num_heads, budgets):
-                    for lookup, draft_size, dtype in itertools.product(lookups, draft_sizes, draft_dtypes):
+                    for lookup, draft_size, dtype, paced in itertools.product(lookups, draft_sizes, draft_dtypes,
+                                                                              pacings):
                         config = {"method": "mtpspec", "model": heads, "num_speculative_tokens": k,
                                   "tree": method_tree}
                         label = f"mtpspec-chain k={k}"
@@ -90,6 +93,9 @@ def build_methods(names: list[str], *, model_dir: str, heads_dirs: list[str], nu
                         config["draft_dtype"] = dtype
                         if len(draft_dtypes) > 1 or dtype != "auto":
                             label += f" drafts-{dtype}"
+                        if paced != "default":
+                            config["pace_cohorts"] = paced
+                            label += f" paced-{paced}"
                         methods.append(Method(label + heads_tag + ("" if quant == "fp" else " int2"), name, config))
     return methods
 

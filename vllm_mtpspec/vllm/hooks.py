@@ -187,6 +187,7 @@ def install_hidden_state_hook() -> None:
                 decode_only=_decode_only(bound.arguments.get("scheduler_output")),
                 sampled=lambda i: _is_sampled(self, req_ids[i]),
                 scheduled=_scheduled_rows(self, bound.arguments, req_ids),
+                budget=lambda i: _token_budget(self, req_ids[i]),
             )
         return original(self, *args, **kwargs)
 
@@ -380,6 +381,16 @@ def _is_sampled(runner, req_id: str) -> bool:
     from vllm_mtpspec.vllm.tree_sampler import SAMPLING_EPS
 
     return params is not None and params.temperature >= SAMPLING_EPS
+
+
+def _token_budget(runner, req_id: str) -> tuple[int, int] | None:
+    """A request's max_tokens and the tokens it has made so far (the runner's count, up to
+    the step just sampled); None without max_tokens."""
+    state = runner.requests.get(req_id)
+    max_tokens = getattr(getattr(state, "sampling_params", None), "max_tokens", None)
+    if max_tokens is None:
+        return None
+    return max_tokens, len(state.output_token_ids)
 
 
 def _require(owner, *names: str) -> None:

@@ -23,7 +23,9 @@ moves to the size with the most measured tokens per second. "planned": from
 batch_backoff_start requests up, the draft planner (draft_planner.py) gives each request
 the drafts whose expected accepted tokens are worth the verify time they add, by step
 costs it measures while serving, and skips the whole proposal (lookup included) for kinds
-of batch where no drafts have paid for its time; smaller batches draft whole chains.
+of batch where no drafts have paid for its time; smaller batches draft whole chains. In a
+batch whose requests started together, only those that have made the fewest tokens are
+offered to the planner (cohort.py).
 """
 from __future__ import annotations
 
@@ -37,6 +39,7 @@ import torch
 
 from vllm_mtpspec.adaptive import DraftSizeController
 from vllm_mtpspec.checkpoint import load_heads
+from vllm_mtpspec.cohort import CohortPacer
 from vllm_mtpspec.config import ConfigError
 from vllm_mtpspec.draft_planner import Candidate, DraftPlanner
 from vllm_mtpspec.draft_vocab import SlicedLMHead
@@ -101,6 +104,7 @@ class MTPSpecProposer:
         self._tree_rows: dict[int, int] = {}
         self._tree_blocker: Callable[[int], str | None] | None = None
         self._is_sampled: Callable[[int], bool] | None = None
+        self._budget: Callable[[int], tuple[int, int] | None] | None = None
         self._step_was_decode_only = False
         self._scheduled: ScheduledRows | None = None
         self.block_contexts: BlockContexts | None = None  # an attention draft block's caches (load_model)
@@ -114,6 +118,14 @@ class MTPSpecProposer:
         self.draft_size_rule = self.options.draft_size_rule(default_draft_size())
         self.draft_sizes = None
         self.planner = DraftPlanner(self.depth) if self.draft_size_rule == "planned" else None
+        self.pacing = self.options.pace_cohorts or ("sampled" if self.planner is not None else "never")
+        if self.pacing != "never" and self.planner is None:
+            raise ConfigError(f"pace_cohorts={self.pacing!r} paces the planner's drafts, and this engine's draft "
+                              f"size is {self.draft_size_rule!r}: give draft_size='planned', or "
+                              "pace_cohorts='never'")
+        self.pacer = CohortPacer() if self.pacing != "never" else None
+        self._paced: tuple[int, int] | None = None  # (may draft, running) at the last paced step
+        self.paced_steps = 0  # steps paced so far
         if self.draft_size_rule == "learned":
             if self.uses_trees:
                 self.draft_sizes = DraftSizeController(
@@ -192,12 +204,15 @@ class MTPSpecProposer:
     def capture_step(self, sample_hidden_states: torch.Tensor, spec_decode_metadata, req_ids=None,
                      tree_rows: dict[int, int] | None = None, tree_blocker: Callable[[int], str | None] | None = None,
                      decode_only: bool = False, sampled: Callable[[int], bool] | None = None,
-                     scheduled: ScheduledRows | None = None) -> None:
+                     scheduled: ScheduledRows | None = None,
+                     budget: Callable[[int], tuple[int, int] | None] | None = None) -> None:
         """tree_rows: for requests verified as trees, the row (within the request) of the
         last accepted node. tree_blocker: by batch index, why a request must get a chain
         (or None). sampled: by batch index, whether a request samples (temperature > 0).
         decode_only: the step prefilled no prompt (so its time says what drafting cost).
-        scheduled: the states of every token computed (an attention draft block reads them)."""
+        scheduled: the states of every token computed (an attention draft block reads them).
+        budget: by batch index, a request's max_tokens and the tokens it has made (None
+        without max_tokens)."""
         self._scheduled = scheduled
         self._step_was_decode_only = decode_only
         self._sample_hidden_states = sample_hidden_states
@@ -206,6 +221,7 @@ class MTPSpecProposer:
         self._tree_rows = tree_rows or {}
         self._tree_blocker = tree_blocker
         self._is_sampled = sampled
+        self._budget = budget
 
     def _doublings_past_backoff(self, num_requests: int) -> int:
         start = self.batch_backoff_start
@@ -268,6 +284,8 @@ class MTPSpecProposer:
 
     @torch.inference_mode()
     def propose(self, sampled_token_ids, num_tokens_no_spec=None, token_ids_cpu=None, slot_mappings=None, **_) -> list[list[int]]:
+        if self.pacer is not None:
+            self.pacer.step(self._batch_ids(len(sampled_token_ids)))
         if not self._plans(len(sampled_token_ids)):
             if self.planner is not None:
                 self.planner.step_not_planned()
@@ -299,6 +317,8 @@ class MTPSpecProposer:
         clock = planner.clock if planner is not None else time.perf_counter
         proposing_started = clock()
         pairs = last_sampled_rows(sampled_token_ids, self._num_draft_tokens, hidden_all.shape[0], self._tree_rows)
+        if planner is not None:
+            pairs = self._paced_pairs(pairs, sampled)
         if not pairs:
             return drafts
         owners = [i for i, _ in pairs]
@@ -344,6 +364,21 @@ class MTPSpecProposer:
             self._send_chain(owners[j], chain_tree(chain.length), list(chain.tokens[:chain.length]), drafts, req_ids)
         return drafts
 
+    def _paced_pairs(self, pairs: list[tuple[int, int]], sampled: list[bool]) -> list[tuple[int, int]]:
+        """The (request, row) pairs that may draft this step: in a batch that started together
+        (with a sampled request, unless pace_cohorts='always'), those that have made the fewest
+        tokens (cohort.py); else all. Every tensor-parallel rank reads the same batch and
+        counts, so every rank drafts for the same requests."""
+        self._paced = None
+        if self.pacer is None or self._budget is None or not self.pacer.is_cohort:
+            return pairs
+        if self.pacing == "sampled" and not any(sampled):
+            return pairs
+        may = self.pacer.may_draft([self._budget(i) for i in range(len(sampled))], slack=self.depth)
+        self._paced = (sum(may), len(sampled))
+        self.paced_steps += 1
+        return [(i, row) for i, row in pairs if may[i]]
+
     def _planned(self, chains: dict[int, Candidate], owners: list[int], sampled: list[bool],
                  drafting_seconds: float) -> dict[int, Candidate]:
         """The chains cut to the planner's lengths (decided on rank 0 for every rank)."""
@@ -354,7 +389,10 @@ class MTPSpecProposer:
                                                             sampled=any(sampled), drafting_seconds=drafting_seconds))
         if self._rank_zero.decides_here and time.monotonic() - self._last_size_log >= 60:
             self._last_size_log = time.monotonic()
-            logger.info("mtpspec: draft planner: %s", self.planner.describe())
+            paced = ("" if self._paced is None else
+                     f"; the batch started together: {self._paced[0]} of {self._paced[1]} requests, those that "
+                     "have made the fewest tokens, may draft")
+            logger.info("mtpspec: draft planner: %s%s", self.planner.describe(), paced)
         return {j: dataclasses.replace(chain, length=lengths[owners[j]]) for j, chain in chains.items()}
 
     def _feed_block(self, req_ids, num_tokens_no_spec, token_ids_cpu) -> dict[int, torch.Tensor]:
