@@ -232,11 +232,11 @@ class SpecOptions:
     draft_size: str | None = None
     adaptive_draft_size: bool = False
     batch_backoff_start: int | None = None
-    # "planned" only: in a batch whose requests all started together and that nobody joins
-    # (LLM.generate on a list of prompts) with one max_tokens, only the requests that have
-    # made the fewest tokens draft, so that the batch ends together instead of in a tail of near-empty steps
-    # (cohort.py): in batches with a sampled request ("sampled"), in every such batch
-    # ("always") or never. None: "sampled" wherever the planner plans (side by side, pacing
+    # "planned" only: in a batch whose requests all started together with one max_tokens
+    # and that nobody joins (LLM.generate on a list of prompts), only the requests that have
+    # made the fewest tokens draft, so that the batch ends together instead of in a tail of
+    # near-empty steps (cohort.py): in batches with a sampled request ("sampled"), in every
+    # such batch ("always") or never. None: "sampled" wherever the planner plans (side by side, pacing
     # measured ahead of unpaced on sampled batches and behind on greedy ones;
     # benchmarks/RESULTS.md).
     pace_cohorts: str | None = None
