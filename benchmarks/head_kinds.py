@@ -83,10 +83,13 @@ def draft_step_ms(heads, lm_head, embed, repeats: int, context: int = 256) -> fl
     h, token = torch.randn(1, d), torch.randint(0, embed.shape[0], (1,))
     if heads.config.head_kind == "attention":
         cache = heads.empty_cache()
-        heads.extend(cache, torch.randn(context, d), embed[torch.randint(0, embed.shape[0], (context,))])
+        n = len(heads.feature_layers)  # states entering target layers, where the block reads them
+        layers = (lambda rows: torch.randn(rows, n, d)) if n else (lambda rows: None)
+        heads.extend(cache, torch.randn(context, d), embed[torch.randint(0, embed.shape[0], (context,))], layers(context))
+        newest_layers = layers(1)
 
         def step():
-            newest = heads.extend(cache, h, embed[token])[-1:]
+            newest = heads.extend(cache, h, embed[token], newest_layers)[-1:]
             heads.draft_chains([cache], newest, k, project, lambda t: embed[t], heads.draft_vocab)
             heads.truncate(cache, context)  # stay at `context` entries
     else:

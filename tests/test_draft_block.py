@@ -10,16 +10,19 @@ from vllm_mtpspec.draft_block import DraftBlock, rope
 D, VOCAB = 32, 50
 
 
-def make_block(*, window: int = 1024, num_heads: int = 3, seed: int = 0) -> DraftBlock:
+def make_block(*, window: int = 1024, num_heads: int = 3, seed: int = 0, feature_layers=()) -> DraftBlock:
     config = HeadsConfig(num_heads=num_heads, hidden_size=D, vocab_size=VOCAB, head_kind="attention",
                          head_input="hidden+token",
-                         block=BlockConfig(attention_heads=4, kv_heads=2, head_dim=8, mlp_size=64, window=window))
+                         block=BlockConfig(attention_heads=4, kv_heads=2, head_dim=8, mlp_size=64, window=window,
+                                           feature_layers=list(feature_layers)))
     torch.manual_seed(seed)
     block = DraftBlock(config).double().eval()
     with torch.no_grad():  # non-trivial norms, so a wrong one shows
         for module in block.modules():
             if hasattr(module, "eps"):
                 module.weight.uniform_(0.5, 1.5)
+        if feature_layers:  # a trained fusion, not the zero it starts at
+            block.layer_fuse.weight.normal_(0.0, 0.3)
     return block
 
 
@@ -63,6 +66,51 @@ def test_drafting_from_the_cache_matches_the_unrolled_training_pass_at_every_pos
         for j in range(depth):
             torch.testing.assert_close(got[j], expected[j][0, p])
         assert cache.length == p + 1  # drafting left no entries behind
+
+
+@torch.no_grad()
+def test_a_block_reading_other_layers_drafts_from_the_cache_what_training_computes():
+    """The layer features enter the context's entries only: a chain's own entries (depth
+    > 1) have no target states, in training and in drafting alike."""
+    block = make_block(feature_layers=[0, 2])
+    t, depth = 9, 3
+    features, embed, tokens = random_sequence(t)
+    layers = torch.randn(t, 2, D, generator=torch.Generator().manual_seed(7), dtype=torch.float64)
+    embeds = [embed[tokens[i:i + t]][None] for i in range(depth)]
+    expected = block.unrolled(features[None], embeds, torch.arange(t)[None], torch.ones(1, t, dtype=torch.bool),
+                              layers[None])
+    without = block.unrolled(features[None], embeds, torch.arange(t)[None], torch.ones(1, t, dtype=torch.bool),
+                             torch.zeros_like(layers)[None])
+    assert not torch.allclose(expected[0], without[0])  # the layers change what it drafts
+    for p in (1, 4, t - 1):
+        cache = block.empty_cache(dtype=torch.float64)
+        # In two pieces, the way decoding feeds a prefill and then accepted rows.
+        a = p // 2 + 1
+        block.extend(cache, features[:a], embed[tokens[:a]], layers[:a])
+        g = block.extend_many([cache], [features[a:p + 1]], [embed[tokens[a:p + 1]]], [layers[a:p + 1]])[0][-1]
+        got = drafted_chain(block, cache, g, embed, tokens[p + 1:], depth)
+        for j in range(depth):
+            torch.testing.assert_close(got[j], expected[j][0, p])
+    with pytest.raises(ValueError, match="feature_layers"):
+        block.unrolled(features[None], embeds, torch.arange(t)[None], torch.ones(1, t, dtype=torch.bool))
+
+
+@torch.no_grad()
+def test_a_block_grown_to_read_other_layers_starts_as_the_block_it_grew_from():
+    from vllm_mtpspec.heads_init import grown_block
+
+    block = make_block()
+    grown = grown_block(block, [1, 3])
+    assert grown.feature_layers == [1, 3] and block.feature_layers == []
+    t, depth = 8, 3
+    features, embed, tokens = random_sequence(t)
+    layers = torch.randn(1, t, 2, D, dtype=torch.float64)
+    embeds = [embed[tokens[i:i + t]][None] for i in range(depth)]
+    args = (features[None], embeds, torch.arange(t)[None], torch.ones(1, t, dtype=torch.bool))
+    for before, after in zip(block.unrolled(*args), grown.unrolled(*args, layers)):
+        torch.testing.assert_close(after, before)
+    with pytest.raises(ConfigError, match="already reads layers"):
+        grown_block(grown, [2])
 
 
 @torch.no_grad()
@@ -146,6 +194,31 @@ def test_a_draft_block_saves_loads_and_refuses_disagreeing_directories(tmp_path)
         load_heads(tmp_path / "block")
 
 
+def test_a_block_reading_layers_saves_loads_and_is_refused_where_its_config_disagrees(tmp_path):
+    from vllm_mtpspec.checkpoint import check_heads_match_model, read_heads_config
+
+    block = make_block(feature_layers=[1, 4]).float()
+    save_heads(block, tmp_path / "block")
+    loaded = load_heads(tmp_path / "block")
+    assert loaded.feature_layers == [1, 4]
+    for name, tensor in block.state_dict().items():
+        torch.testing.assert_close(loaded.state_dict()[name], tensor)
+    config = read_heads_config(tmp_path / "block")
+    # A model with fewer layers than the block reads.
+    with pytest.raises(HeadsError, match=r"config.json: block.feature_layers=\[1, 4\] but the model has 4 layers"):
+        check_heads_match_model(config, heads_dir=tmp_path / "block", hidden_size=D, vocab_size=VOCAB,
+                                fingerprint=None, num_layers=4)
+    check_heads_match_model(config, heads_dir=tmp_path / "block", hidden_size=D, vocab_size=VOCAB,
+                            fingerprint=None, num_layers=5)
+    # Weights of a fusion the config does not declare: refused, naming the file.
+    config_path = tmp_path / "block" / "config.json"
+    config_path.write_text(config_path.read_text().replace('"feature_layers": [\n      1,\n      4\n    ]',
+                                                           '"feature_layers": []'))
+    assert read_heads_config(tmp_path / "block").block.feature_layers == []
+    with pytest.raises(HeadsError, match="heads.safetensors"):
+        load_heads(tmp_path / "block")
+
+
 def test_block_configs_are_checked():
     with pytest.raises(ConfigError, match="head_kind='attention' with block=unset"):
         HeadsConfig(num_heads=2, hidden_size=D, vocab_size=VOCAB, head_kind="attention")
@@ -169,17 +242,22 @@ def test_a_draft_vocabulary_copy_keeps_the_block():
     torch.testing.assert_close(small.fuse.weight, block.fuse.weight)
 
 
-def tiny_block_for(model, *, num_heads: int = 3, seed: int = 0) -> DraftBlock:
+def tiny_block_for(model, *, num_heads: int = 3, seed: int = 0, feature_layers=()) -> DraftBlock:
     cfg = model.config
     config = HeadsConfig(num_heads=num_heads, hidden_size=cfg.hidden_size, vocab_size=cfg.vocab_size,
                          head_kind="attention", head_input="hidden+token",
-                         block=BlockConfig(attention_heads=4, kv_heads=2, head_dim=16, mlp_size=96))
+                         block=BlockConfig(attention_heads=4, kv_heads=2, head_dim=16, mlp_size=96,
+                                           feature_layers=list(feature_layers)))
     torch.manual_seed(seed)
-    return DraftBlock(config).eval()
+    block = DraftBlock(config).eval()
+    if feature_layers:  # a fusion that matters, not the zero it starts at
+        torch.nn.init.normal_(block.layer_fuse.weight, std=0.02)
+    return block
 
 
+@pytest.mark.parametrize("feature_layers", [(), (2, 15)], ids=["final state", "layers 2 and 15 too"])
 @torch.no_grad()
-def test_reference_decoding_with_a_block_is_lossless_and_drafts_what_the_scorer_replays(smollm2_fp32):
+def test_reference_decoding_with_a_block_is_lossless_and_drafts_what_the_scorer_replays(smollm2_fp32, feature_layers):
     """The scorer's replay (teacher forcing along the answer) and real decoding must read
     the same cache at every step: any entry missed, doubled or left from a rejected draft
     changes the depth-1 draft. A random block on the real SmolLM2 (a tiny random model
@@ -197,7 +275,7 @@ def test_reference_decoding_with_a_block_is_lossless_and_drafts_what_the_scorer_
     text = "Copy this list twice: apple, pear, plum, fig, lime, kiwi."
     prompt = tokenizer.encode(apply_chat_template(tokenizer, text), add_special_tokens=False)
     expected = plain_greedy(model, prompt, max_new_tokens=48, eos_token_ids=set())
-    block = tiny_block_for(model)
+    block = tiny_block_for(model, feature_layers=feature_layers)
     drafter = drafter_for(block, model)
     first_drafts = []
     draft = drafter.head_logits
@@ -211,7 +289,7 @@ def test_reference_decoding_with_a_block_is_lossless_and_drafts_what_the_scorer_
     assert result.tokens == expected
     assert any(step.accepted_len > 2 for step in result.steps)  # steps that kept several rows
     shard = shard_from_answers(SimpleNamespace(model=model), ["a"], ["general"], [prompt], [expected],
-                               top_k=4, context_rows=512)
+                               top_k=4, context_rows=512, feature_layers=list(feature_layers))
     replay = torch.cat([logits for _, logits in block_answer_logits(
         block, shard, 0, model.get_output_embeddings().weight, model.get_input_embeddings().weight)])
     row = 0  # the answer row of each step's root
@@ -300,3 +378,36 @@ def test_a_fresh_block_drafts_what_the_lm_head_says_on_h(tiny_model, tiny_model_
     assert torch.equal(lm_head(out).argmax(-1), lm_head(h).argmax(-1))
     cosine = torch.nn.functional.cosine_similarity(out, h, dim=-1)
     torch.testing.assert_close(cosine, torch.ones_like(cosine))
+
+
+@torch.no_grad()
+def test_shards_keep_the_states_entering_the_layers_a_block_reads(tiny_model):
+    """Layer l's input: the token embeddings for layer 0, layer 0's output for layer 1
+    (what vLLM's aux_hidden_states hold), at the answer rows and the kept prompt rows."""
+    from types import SimpleNamespace
+
+    from training.answers import shard_from_answers
+    from training.examples import ShardsError, answer_sequence
+
+    prompt, answer = [3, 14, 15, 92, 65], [35, 89, 79]
+    shard = shard_from_answers(SimpleNamespace(model=tiny_model), ["a"], ["general"], [prompt], [answer],
+                               top_k=2, context_rows=3, feature_layers=[1, 0])
+    ids = torch.tensor([prompt + answer])
+    out = tiny_model.model(input_ids=ids, output_hidden_states=True)
+    # hidden_states[0]: the embeddings; [1]: layer 0's output, what enters layer 1.
+    entering = {layer: out.hidden_states[layer][0] for layer in (0, 1)}
+    torch.testing.assert_close(entering[0], tiny_model.get_input_embeddings()(ids)[0])
+    rows = torch.arange(len(prompt) - 1, len(prompt) + len(answer) - 1)        # the states behind answer tokens
+    context = torch.arange(len(prompt) - 4, len(prompt) - 1)
+    assert shard["feature_layers"].tolist() == [1, 0]
+    for column, layer in enumerate([1, 0]):
+        torch.testing.assert_close(shard["layer_hidden"][:, column].float(), entering[layer][rows],
+                                   atol=2e-3, rtol=1e-2)
+        torch.testing.assert_close(shard["context_layer_hidden"][:, column].float(), entering[layer][context],
+                                   atol=2e-3, rtol=1e-2)
+    torch.testing.assert_close(shard["hidden"].float(), out.last_hidden_state[0, rows], atol=2e-3, rtol=1e-2)
+    sequence = answer_sequence(shard, 0, [0])
+    torch.testing.assert_close(sequence["layer_features"][:, 0], entering[0][torch.cat([context, rows])].float(),
+                               atol=2e-3, rtol=1e-2)
+    with pytest.raises(ShardsError, match="--feature-layers 2"):
+        answer_sequence(shard, 0, [2])

@@ -220,6 +220,21 @@ def test_an_attention_draft_block_trains_on_answers_read_with_their_prompt_rows(
     assert len(held_out["conditional_top1"]) == 2 and held_out["mean_accepted_len"]["chain"] >= 1.0
     with pytest.raises(TrainConfigError, match="head_kind='attention' has no INT2 form yet"):
         TrainConfig(head_kind="attention")
+    # Trained further reading target layers 0 and 1 too: shards without them are refused,
+    # shards rebuilt with them train the grown fusion.
+    grown = dict(common, epochs=10, init_from=summary["heads_dir"], feature_layers=[0, 1],
+                 train_answers=str(tiny_data / "train" / "answers"), held_out_answers=str(tiny_data / "held" / "answers"))
+    with pytest.raises(TrainConfigError, match=r"keep the states entering target layers none.*--feature-layers 0,1"):
+        run_training(TrainConfig(**grown, train_data="train", held_out_data="held", name="no-layers",
+                                 out=str(tmp_path / "nothing")))
+    summary = run_training(TrainConfig(**grown, train_data="train-layers", held_out_data="held-layers",
+                                       name="grown", out=str(tmp_path / "grown")))
+    rows = [r for r in metrics(tmp_path / "ray" / "grown") if "loss" in r]
+    assert rows[-1]["loss"] < rows[0]["loss"], rows
+    block = load_heads(summary["heads_dir"])
+    assert block.feature_layers == [0, 1] and block.layer_fuse.weight.abs().sum() > 0  # it trained from zero
+    with pytest.raises(TrainConfigError, match="feature_layers=\\[2\\] with head_kind='parallel'"):
+        TrainConfig(feature_layers=[2])
 
 
 def test_clear_errors(tiny_smol_teacher, tmp_path):

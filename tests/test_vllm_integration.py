@@ -424,20 +424,45 @@ def random_block_dir(model_dir, tmp_path_factory):
     return save_heads(init_draft_block(target.model, model_dir, num_heads=3), tmp_path_factory.mktemp("block"))
 
 
-@pytest.mark.parametrize("engine", ["chunked+prefix-cache", "preempting"])
-def test_a_draft_blocks_caches_hold_every_accepted_position_and_nothing_else(model_dir, random_block_dir, baseline,
+LAYERS_READ = [2, 15]
+
+
+@pytest.fixture(scope="module")
+def random_layer_block_dir(model_dir, tmp_path_factory):
+    """An untrained draft block that also reads the states entering target layers 2 and
+    15 (EAGLE-3's features), through a fusion that is not zero."""
+    import torch
+
+    from vllm_mtpspec.checkpoint import save_heads
+    from vllm_mtpspec.heads_init import init_draft_block
+    from vllm_mtpspec.target import load_target
+
+    target = load_target(str(model_dir), dtype="fp32")
+    block = init_draft_block(target.model, model_dir, num_heads=3, feature_layers=LAYERS_READ)
+    with torch.no_grad():
+        block.layer_fuse.weight.normal_(0.0, 0.02, generator=torch.Generator().manual_seed(0))
+    return save_heads(block, tmp_path_factory.mktemp("layer-block"))
+
+
+@pytest.mark.parametrize("engine", ["chunked+prefix-cache, block reading layers", "preempting"])
+def test_a_draft_blocks_caches_hold_every_accepted_position_and_nothing_else(model_dir, random_block_dir,
+                                                                             random_layer_block_dir, baseline,
                                                                              monkeypatch, engine):
     """Every entry the block's caches take is the target's state at a position beside the
-    token that state produced, and every position of a request from where its cache began
-    (after a prefix-cache hit) to its end is there exactly once, through chunked prefill,
-    rejected drafts and preemption."""
+    token that state produced (with, for a block that reads target layers, the states
+    entering those layers there), and every position of a request from where its cache
+    began (after a prefix-cache hit) to its end is there exactly once, through chunked
+    prefill, rejected drafts and preemption."""
     import torch
 
     from vllm_mtpspec.draft_block import DraftBlock
+    from vllm_mtpspec.layer_states import recording_layer_inputs
     from vllm_mtpspec.target import load_target
     from vllm_mtpspec.vllm.block_context import BlockContexts
 
-    taken = []  # (request, first position, states, token embeddings) of entries kept
+    reads_layers = "reading layers" in engine
+    block_dir = random_layer_block_dir if reads_layers else random_block_dir
+    taken = []  # (request, first position, states, token embeddings, layer states) of entries kept
     current, drafting = {}, []
     cache_for, extend_many, draft_chains = (BlockContexts._cache_ending_at, DraftBlock.extend_many,
                                             DraftBlock.draft_chains)
@@ -447,10 +472,12 @@ def test_a_draft_blocks_caches_hold_every_accepted_position_and_nothing_else(mod
         current[id(cache)] = req_id
         return cache
 
-    def recording_extend(self, caches, states, embeds):
+    def recording_extend(self, caches, states, embeds, layer_features=None):
         if not drafting:  # a chain's own entries are cut off again (checked in test_draft_block.py)
-            taken.extend((current[id(c)], c.length, s.clone(), e.clone()) for c, s, e in zip(caches, states, embeds))
-        return extend_many(self, caches, states, embeds)
+            layers = layer_features or [None] * len(caches)
+            taken.extend((current[id(c)], c.length, s.clone(), e.clone(), None if f is None else f.clone())
+                         for c, s, e, f in zip(caches, states, embeds, layers))
+        return extend_many(self, caches, states, embeds, layer_features)
 
     def marked_drafting(self, *args, **kwargs):
         drafting.append(True)
@@ -465,7 +492,7 @@ def test_a_draft_blocks_caches_hold_every_accepted_position_and_nothing_else(mod
                                                      "block_size": 32}
     from vllm import LLM
 
-    llm = LLM(str(model_dir), **config, speculative_config={"method": "mtpspec", "model": str(random_block_dir),
+    llm = LLM(str(model_dir), **config, speculative_config={"method": "mtpspec", "model": str(block_dir),
                                                             "num_speculative_tokens": 3})
     prompts = chat_prompts(llm)
     outputs = greedy(llm)
@@ -480,26 +507,33 @@ def test_a_draft_blocks_caches_hold_every_accepted_position_and_nothing_else(mod
     tokenizer = target.tokenizer
     sequences = [tokenizer.encode(p, add_special_tokens=False) + o for p, o in zip(prompts, outputs)]
     by_request = {}
-    for req_id, start, states, embeds in taken:
+    for req_id, start, states, embeds, layers in taken:
         tokens = [int((embed == e).all(-1).nonzero()[0]) for e in embeds]
-        by_request.setdefault(req_id, []).append((start, states, tokens))
+        by_request.setdefault(req_id, []).append((start, states, tokens, layers))
     assert len(by_request) == len(sequences)
     for entries in by_request.values():
         # The last time a request's cache started (a preempted one starts again).
-        restart = max(i for i, (start, _, _) in enumerate(entries) if i == 0 or start < entries[i - 1][0] +
+        restart = max(i for i, (start, *_) in enumerate(entries) if i == 0 or start < entries[i - 1][0] +
                       len(entries[i - 1][2]))
         entries = entries[restart:]
-        positions = [p for start, _, tokens in entries for p in range(start, start + len(tokens))]
-        produced = [t for _, _, tokens in entries for t in tokens]
+        positions = [p for start, _, tokens, _ in entries for p in range(start, start + len(tokens))]
+        produced = [t for _, _, tokens, _ in entries for t in tokens]
         first = positions[0]
         matches = [s for s in sequences if s[first + 1:first + 1 + len(produced)] == produced]
         assert len(matches) == 1, "the tokens beside the states are one request's own, in order"
         sequence = matches[0]
         assert positions == list(range(first, len(sequence) - 1))  # each position once, up to the end
-        with torch.no_grad():
-            states = target.model.get_decoder()(input_ids=torch.tensor([sequence])).last_hidden_state[0]
-        recorded = torch.cat([s for _, s, _ in entries]).float()
+        decoder = target.model.get_decoder()
+        with torch.no_grad(), recording_layer_inputs(decoder, LAYERS_READ if reads_layers else []) as entering:
+            states = decoder(input_ids=torch.tensor([sequence])).last_hidden_state[0]
+        recorded = torch.cat([s for _, s, _, _ in entries]).float()
         torch.testing.assert_close(recorded, states[first:len(sequence) - 1], atol=2e-3, rtol=2e-3)
+        if reads_layers:
+            recorded_layers = torch.cat([layers for *_, layers in entries]).float()
+            expected_layers = torch.stack([entering[layer] for layer in LAYERS_READ], 1)[first:len(sequence) - 1]
+            torch.testing.assert_close(recorded_layers, expected_layers, atol=2e-3, rtol=2e-3)
+        else:
+            assert all(layers is None for *_, layers in entries)
 
 
 def held_requests(worker) -> list[str]:

@@ -24,6 +24,8 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
+from vllm_mtpspec.layer_states import recording_layer_inputs
+
 logger = logging.getLogger(__name__)
 
 FORMAT = 1
@@ -120,33 +122,45 @@ def _split(flat: np.ndarray, offsets: np.ndarray) -> list[list[int]]:
 
 
 @torch.inference_mode()
-def teacher_forced(target, prompt_ids: list[int], answer_ids: list[int], top_k: int, context_rows: int = 0):
-    """(hidden [L, d], topk_ids [L, K], topk_logprobs [L, K], context [C, d]) at each
-    answer token: the state at the position before it, where the target predicts it; and
+def teacher_forced(target, prompt_ids: list[int], answer_ids: list[int], top_k: int, context_rows: int = 0,
+                   feature_layers: list[int] = ()):
+    """(hidden [L, d], topk_ids [L, K], topk_logprobs [L, K], context [C, d], layers) at
+    each answer token: the state at the position before it, where the target predicts it;
     the states at the last C = min(context_rows, P - 1) prompt positions before the
     answer's first row (each predicting the next prompt token), for draft modules that
-    attend over the context."""
+    attend over the context; and with feature_layers, layers = (answer rows [L, n, d],
+    context rows [C, n, d]) of the states entering those layers (else None)."""
     ids = torch.tensor([prompt_ids + answer_ids])
     first = len(prompt_ids) - 1
     rows = slice(first, first + len(answer_ids))
+    context_rows_slice = slice(max(0, first - context_rows), first)
+    decoder = target.model.get_decoder()
     # The decoder's output is after the final norm; the LM head runs on the answer rows only.
-    states = target.model.get_decoder()(input_ids=ids).last_hidden_state[0]
+    with recording_layer_inputs(decoder, list(feature_layers)) as entering:
+        states = decoder(input_ids=ids).last_hidden_state[0]
     hidden = states[rows]
-    context = states[max(0, first - context_rows):first]
+    context = states[context_rows_slice]
     logits = target.model.get_output_embeddings()(hidden)
     logprobs = torch.log_softmax(logits.float(), dim=-1)
     top_lp, top_ids = logprobs.topk(top_k, dim=-1)
-    return hidden.half(), top_ids.int(), top_lp.half(), context.half()
+    layers = None
+    if feature_layers:
+        stacked = torch.stack([entering[layer] for layer in feature_layers], 1)    # [P + L, n, d]
+        layers = (stacked[rows].half(), stacked[context_rows_slice].half())
+    return hidden.half(), top_ids.int(), top_lp.half(), context.half(), layers
 
 
-def shard_from_answers(target, ids, categories, prompt_ids, answers, *, top_k: int, context_rows: int = 0) -> dict:
+def shard_from_answers(target, ids, categories, prompt_ids, answers, *, top_k: int, context_rows: int = 0,
+                       feature_layers: list[int] = ()) -> dict:
     """A training shard (data.py's layout) read off the target along the given answers;
-    with context_rows > 0 it also carries the prompt rows before each answer."""
+    with context_rows > 0 it also carries the prompt rows before each answer, and with
+    feature_layers the states entering those layers at every row."""
     shard = {"ids": list(ids), "categories": list(categories), "prompt_ids": [list(p) for p in prompt_ids],
              "offsets": [0], "tokens": [], "hidden": [], "topk_ids": [], "topk_logprobs": []}
-    contexts, context_offsets = [], [0]
+    contexts, context_offsets, answer_layers, context_layers = [], [0], [], []
     for prompt, answer in zip(prompt_ids, answers):
-        hidden, top_ids, top_lp, context = teacher_forced(target, prompt, answer, top_k, context_rows)
+        hidden, top_ids, top_lp, context, layers = teacher_forced(target, prompt, answer, top_k, context_rows,
+                                                                  feature_layers)
         shard["offsets"].append(shard["offsets"][-1] + len(answer))
         shard["tokens"].append(torch.tensor(answer, dtype=torch.int32))
         shard["hidden"].append(hidden)
@@ -154,12 +168,20 @@ def shard_from_answers(target, ids, categories, prompt_ids, answers, *, top_k: i
         shard["topk_logprobs"].append(top_lp)
         contexts.append(context)
         context_offsets.append(context_offsets[-1] + len(context))
+        if layers is not None:
+            answer_layers.append(layers[0])
+            context_layers.append(layers[1])
     for key in ("tokens", "hidden", "topk_ids", "topk_logprobs"):
         shard[key] = torch.cat(shard[key])
     shard["offsets"] = torch.tensor(shard["offsets"], dtype=torch.int64)
     if context_rows > 0:
         shard["context_hidden"] = torch.cat(contexts)
         shard["context_offsets"] = torch.tensor(context_offsets, dtype=torch.int64)
+    if feature_layers:
+        shard["feature_layers"] = torch.tensor(list(feature_layers), dtype=torch.int64)
+        shard["layer_hidden"] = torch.cat(answer_layers)
+        if context_rows > 0:
+            shard["context_layer_hidden"] = torch.cat(context_layers)
     return shard
 
 
@@ -168,10 +190,12 @@ def _newer(path: Path, than: Path) -> bool:
 
 
 def shards_from_answers(model_dir: str | Path, answers_dir: str | Path, out_dir: str | Path, *,
-                        top_k: int = 8, max_files: int | None = None, context_rows: int = 0) -> list[Path]:
+                        top_k: int = 8, max_files: int | None = None, context_rows: int = 0,
+                        feature_layers: list[int] = ()) -> list[Path]:
     """Rebuild the training shard of every answer file (the first max_files only, when set)
     that has none, or an older one (the target is loaded only if there is any); returns the
-    shards written. context_rows: how many prompt rows before each answer to keep too."""
+    shards written. context_rows: how many prompt rows before each answer to keep too;
+    feature_layers: target layers whose input states to keep at every row too."""
     from training.data import shard_path, write_shard
     from vllm_mtpspec.checkpoint import model_fingerprint
     from vllm_mtpspec.target import load_target
@@ -188,7 +212,7 @@ def shards_from_answers(model_dir: str | Path, answers_dir: str | Path, out_dir:
     for index, path in bar:
         kept = read_answers(path, fingerprint=fingerprint, vocab_size=vocab_size)
         shard = shard_from_answers(target, kept["ids"], kept["categories"], kept["prompt_ids"], kept["answers"],
-                                   top_k=top_k, context_rows=context_rows)
+                                   top_k=top_k, context_rows=context_rows, feature_layers=feature_layers)
         written.append(write_shard(out_dir, index, shard))
         done_tokens += int(shard["tokens"].numel())
         bar.set_postfix(tokens=done_tokens, tok_per_s=f"{done_tokens / (time.perf_counter() - started):.0f}")

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -40,6 +40,9 @@ class TrainConfig:
     head_input: str = "hidden"
     mlp_size: int = 0                          # each head's hidden layer (0: none; see HeadsConfig)
     init_from: str | None = None               # a heads directory to train further (None: fresh heads)
+    # head_kind="attention": target layers whose input states the block reads too
+    # (EAGLE-3); a block in init_from that reads none grows the new fusion, starting at 0.
+    feature_layers: list[int] = field(default_factory=list)
     # Optimisation
     epochs: int = 2
     max_steps: int | None = None
@@ -101,6 +104,10 @@ class TrainConfig:
                 raise TrainConfigError("head_kind='attention' projects through the target's LM head: set tied=true")
             if self.int2_group_size:
                 raise TrainConfigError("head_kind='attention' has no INT2 form yet: set int2_group_size to null")
+        elif self.feature_layers:
+            raise TrainConfigError(f"feature_layers={self.feature_layers} with head_kind={self.head_kind!r}: only an "
+                                   "attention draft block reads other layers' states; set head_kind='attention' or "
+                                   "leave feature_layers empty")
         if self.head_kind == "sequential" and (self.head_input != "hidden+token" or not self.tied):
             raise TrainConfigError(f"head_kind='sequential' with head_input={self.head_input!r}, tied={self.tied}: "
                                    "each sequential depth reads the token drafted before it through the target's "

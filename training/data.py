@@ -18,6 +18,9 @@ With context rows (draft modules that attend over the prompt), for C_j kept prom
   context_offsets [n + 1]; context_hidden [sum C_j, d] fp16: the states at the last C_j
   prompt positions before answer j's first row; the state at prompt position p predicts
   prompt token p + 1, so the tokens beside them are prompt_ids[j][P_j - C_j:]
+With feature layers (draft blocks that read lower layers too, EAGLE-3), for n layers:
+  feature_layers [n] int64; layer_hidden [N, n, d] fp16 and context_layer_hidden
+  [sum C_j, n, d] fp16: the states entering those target layers at the same rows
 """
 from __future__ import annotations
 
@@ -31,6 +34,7 @@ import torch
 from tqdm import tqdm
 
 from training.answers import AnswersError, answers_path, prompts_answered, shards_from_answers, write_answers
+from vllm_mtpspec.layer_states import parse_layer_list
 from vllm_mtpspec.prompts import Prompt, apply_chat_template
 
 logger = logging.getLogger(__name__)
@@ -152,6 +156,7 @@ def generate_self_distillation(
     answers_dir: str | Path | None = None,
     top_k: int = 8,
     context_rows: int = 0,
+    feature_layers: list[int] = (),
     **generation,
 ) -> Path:
     """Training shards for the prompts in out_dir: answers generated where answers_dir
@@ -159,7 +164,8 @@ def generate_self_distillation(
     keyword arguments of generate_answers."""
     answers_dir = answers_dir_for(out_dir, answers_dir)
     generate_answers(model_dir, prompts, answers_dir, **generation)
-    shards_from_answers(model_dir, answers_dir, out_dir, top_k=top_k, context_rows=context_rows)
+    shards_from_answers(model_dir, answers_dir, out_dir, top_k=top_k, context_rows=context_rows,
+                        feature_layers=feature_layers)
     return Path(out_dir)
 
 
@@ -191,6 +197,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--context-rows", type=int, default=0,
                         help="also keep the states of up to this many prompt rows before each answer in the shards "
                              "(what a draft block with attention reads as context); 0: answer rows only")
+    parser.add_argument("--feature-layers", type=parse_layer_list, default=[],
+                        help="comma-separated target layers (e.g. 2,15,27) whose input states the shards keep at every "
+                             "row too: what a draft block with block.feature_layers reads (EAGLE-3)")
     parser.add_argument("--split", choices=("train", "held-out", "all"), default="train")
     # fp32: on CPUs without native bf16 (AVX2) vLLM's fp32 path is far faster.
     parser.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32")
@@ -211,7 +220,7 @@ def main(argv: list[str] | None = None) -> None:
         generate_answers(model_dir, prompts, answers_dir, **generation)
     else:
         generate_self_distillation(model_dir, prompts, args.out, answers_dir=answers_dir, top_k=args.top_k,
-                                   context_rows=args.context_rows, **generation)
+                                   context_rows=args.context_rows, feature_layers=args.feature_layers, **generation)
 
 
 if __name__ == "__main__":

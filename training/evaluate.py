@@ -67,7 +67,7 @@ def block_answer_logits(block, shard: dict, j: int, lm_head, embed, chunk: int =
                          "--context-rows 512`")
     project = block.lm_head_for(lm_head) if isinstance(lm_head, torch.Tensor) else lm_head
     k = block.num_heads
-    seq = answer_sequence(shard, j)
+    seq = answer_sequence(shard, j, block.feature_layers)
     states = unroll_sequences(block, [seq], embed)[0, seq["first_answer_row"]:]  # [n, k, d]
     for start in range(0, states.shape[0], chunk):
         g = states[start:start + chunk]

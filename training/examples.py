@@ -70,12 +70,26 @@ def has_context_rows(shard: dict) -> bool:
     return "context_hidden" in shard
 
 
-def answer_sequence(shard: dict, j: int) -> dict[str, torch.Tensor]:
+def layer_columns(shard: dict, feature_layers, where: str = "these shards") -> list[int]:
+    """Where each of feature_layers sits in the shard's layer_hidden; refused when the
+    shards did not keep one of them."""
+    kept = shard["feature_layers"].tolist() if "feature_layers" in shard else []
+    missing = [layer for layer in feature_layers if layer not in kept]
+    if missing:
+        raise ShardsError(f"{where} keep the states entering target layers {kept or 'none'}, and the draft block "
+                          f"reads layers {list(feature_layers)} (block.feature_layers): rebuild them with "
+                          f"`python -m training.data --context-rows {CONTEXT_ROWS} --feature-layers "
+                          f"{','.join(map(str, feature_layers))}` into a new folder")
+    return [kept.index(layer) for layer in feature_layers]
+
+
+def answer_sequence(shard: dict, j: int, feature_layers=()) -> dict[str, torch.Tensor]:
     """Answer j with the prompt rows before it, as an attention draft block reads them.
 
     features [T, d]: the kept context rows, then the answer rows; tokens [T]: the token
     each row produced (the next prompt token, then the answer's own); positions [T]: the
-    rows' places in prompt + answer; first_answer_row: where the answer's rows begin."""
+    rows' places in prompt + answer; first_answer_row: where the answer's rows begin;
+    with feature_layers, layer_features [T, n, d]: the states entering those layers."""
     start, end = int(shard["offsets"][j]), int(shard["offsets"][j + 1])
     prompt = list(shard["prompt_ids"][j])
     answer = shard["tokens"][start:end].long()
@@ -87,9 +101,15 @@ def answer_sequence(shard: dict, j: int) -> dict[str, torch.Tensor]:
     c = context.shape[0]
     first = len(prompt) - 1  # the prompt position of answer row 0
     tokens = torch.cat([torch.tensor(prompt[len(prompt) - c:], dtype=torch.long), answer])
-    return {
+    sequence = {
         "features": torch.cat([context.float(), shard["hidden"][start:end].float()]),
         "tokens": tokens,
         "positions": torch.arange(first - c, first + end - start),
         "first_answer_row": c,
     }
+    if feature_layers:
+        columns = layer_columns(shard, feature_layers)
+        answer_layers = shard["layer_hidden"][start:end, columns]
+        context_layers = shard["context_layer_hidden"][c0:c1, columns] if c else answer_layers[:0]
+        sequence["layer_features"] = torch.cat([context_layers.float(), answer_layers.float()])
+    return sequence

@@ -77,7 +77,7 @@ class BlockModule(PosthocModule):
         seqs, targets, t_ids, t_lp = [], [], [], []
         for path, j in zip(batch["path"], batch["answer"]):
             shard = self._shard(str(path))
-            seq = answer_sequence(shard, int(j))
+            seq = answer_sequence(shard, int(j), self.heads.feature_layers)
             start, end = int(shard["offsets"][int(j)]), int(shard["offsets"][int(j) + 1])
             one = {"offsets": torch.tensor([0, end - start]), "tokens": shard["tokens"][start:end],
                    "topk_ids": shard["topk_ids"][start:end], "topk_logprobs": shard["topk_logprobs"][start:end],
@@ -104,7 +104,8 @@ def unroll_sequences(block, seqs: list[dict], embed: torch.Tensor) -> torch.Tens
     batch = {key: value.to(device) for key, value in pad_sequences(seqs, depth=block.num_heads).items()}
     t = batch["features"].shape[1]
     token_embeds = [embed[batch["tokens"][:, i:i + t]] for i in range(block.num_heads)]  # depth i + 1 reads s_{p+i+1}
-    return torch.stack(block.unrolled(batch["features"].float(), token_embeds, batch["positions"], batch["valid"]), 2)
+    return torch.stack(block.unrolled(batch["features"].float(), token_embeds, batch["positions"], batch["valid"],
+                                      batch.get("layer_features")), 2)
 
 
 def pad_sequences(seqs: list[dict], *, depth: int) -> dict[str, torch.Tensor]:
@@ -120,7 +121,13 @@ def pad_sequences(seqs: list[dict], *, depth: int) -> dict[str, torch.Tensor]:
     for b, s in enumerate(seqs):
         n = s["tokens"].numel()
         features[b, :n], tokens[b, :n], positions[b, :n], valid[b, :n] = s["features"], s["tokens"], s["positions"], True
-    return {"features": features, "tokens": tokens, "positions": positions, "valid": valid}
+    batch = {"features": features, "tokens": tokens, "positions": positions, "valid": valid}
+    if "layer_features" in seqs[0]:
+        layers = torch.zeros(len(seqs), t, *seqs[0]["layer_features"].shape[1:], dtype=features.dtype)
+        for b, s in enumerate(seqs):
+            layers[b, :s["tokens"].numel()] = s["layer_features"]
+        batch["layer_features"] = layers
+    return batch
 
 
 @lru_cache(maxsize=8)

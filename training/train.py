@@ -190,13 +190,15 @@ def ensure_data(config: TrainConfig, model_dir: Path) -> tuple[list[Path], list[
             if split:
                 generate_self_distillation(model_dir, split, data, answers_dir=answers_dir_for(data, answers),
                                            max_new_tokens=config.max_new_tokens,
-                                           context_rows=CONTEXT_ROWS if config.head_kind == "attention" else 0)
+                                           context_rows=CONTEXT_ROWS if config.head_kind == "attention" else 0,
+                                           feature_layers=config.feature_layers)
     else:
         for (data, answers, held_out), share in zip(splits, shares + [None]):
             # A run that trains on N shards needs only their answers read.
             shards_from_answers(model_dir, answers_dir_for(data, answers), data,
                                 max_files=None if held_out else share,
-                                context_rows=CONTEXT_ROWS if config.head_kind == "attention" else 0)
+                                context_rows=CONTEXT_ROWS if config.head_kind == "attention" else 0,
+                                feature_layers=config.feature_layers)
     found = [list_shards(data) for data, _ in config.train_sources]
     held_shards = list_shards(config.held_out_data) if config.held_out_data else []
     for (data, _), shards in zip(config.train_sources, found):
@@ -248,17 +250,22 @@ def interleave(lists: list[list[Path]]) -> list[Path]:
 def _require_context_rows(shards: list[Path], config: TrainConfig) -> None:
     """An attention draft block learns to read the prompt: shards without its rows would
     train it on answers alone, unlike what it sees when drafting."""
-    from training.examples import has_context_rows
+    from training.examples import ShardsError, has_context_rows, layer_columns
 
     first_of_each_folder = {}
     for shard in shards:
         first_of_each_folder.setdefault(shard.parent, shard)
     for shard in first_of_each_folder.values():
-        if not has_context_rows(torch.load(shard, weights_only=True)):
+        loaded = torch.load(shard, weights_only=True)
+        if not has_context_rows(loaded):
             raise TrainConfigError(
                 f"train_data: {shard} carries no prompt rows (context_hidden), which head_kind='attention' trains "
                 "on; rebuild the shards with `python -m training.data --context-rows 512` into a new folder and "
                 "point train_data there")
+        try:
+            layer_columns(loaded, config.feature_layers, where=f"train_data: {shard} and its folder")
+        except ShardsError as err:
+            raise TrainConfigError(str(err)) from None
 
 
 def connect_ray(config: TrainConfig) -> None:
@@ -293,7 +300,8 @@ def initial_heads(config: TrainConfig, heads_base: Path):
         if config.head_kind == "attention":
             from vllm_mtpspec.heads_init import init_draft_block
 
-            return init_draft_block(base.model, heads_base, num_heads=config.num_heads, seed=config.seed)
+            return init_draft_block(base.model, heads_base, num_heads=config.num_heads, seed=config.seed,
+                                    feature_layers=config.feature_layers)
         return init_heads(base.model, heads_base, num_heads=config.num_heads, tied=config.tied,
                           head_input=config.head_input, mlp_size=config.mlp_size, init_std=0.0, seed=config.seed,
                           head_kind=config.head_kind)
@@ -306,16 +314,25 @@ def initial_heads(config: TrainConfig, heads_base: Path):
 
         logger.info("init_from=%s: parallel heads; every sequential depth starts as their head 1", config.init_from)
         heads = SequentialHeads.from_parallel(heads)
+    base_config = json.loads((heads_base / "config.json").read_text())
+    if heads.config.head_kind == config.head_kind == "attention" and config.feature_layers and not heads.feature_layers:
+        from vllm_mtpspec.heads_init import check_feature_layers, grown_block
+
+        check_feature_layers(config.feature_layers, base_config["num_hidden_layers"], where="feature_layers")
+        logger.info("init_from=%s: a block that reads the final state only; it grows a fusion of layers %s, "
+                    "starting at zero", config.init_from, config.feature_layers)
+        heads = grown_block(heads, config.feature_layers)
     asked = {"head_kind": config.head_kind, "num_heads": config.num_heads, "tied": config.tied}
-    if config.head_kind != "attention":  # a draft block's shape is the model's layer, not these fields
+    if config.head_kind == "attention":
+        asked["feature_layers"] = list(config.feature_layers)
+    else:  # a draft block's shape is the model's layer, not these fields
         asked.update(head_input=config.head_input, mlp_size=config.mlp_size)
-    found = {key: getattr(heads.config, key) for key in asked}
+    found = {key: heads.feature_layers if key == "feature_layers" else getattr(heads.config, key) for key in asked}
     if found != asked:
         differ = sorted(key for key in asked if found[key] != asked[key])
         raise TrainConfigError(
             f"init_from={config.init_from}: its heads have {({k: found[k] for k in differ})}, the training config "
             f"asks for {({k: asked[k] for k in differ})}; set these fields to match the heads")
-    base_config = json.loads((heads_base / "config.json").read_text())
     check_heads_match_model(heads.config, heads_dir=config.init_from, hidden_size=base_config["hidden_size"],
                             vocab_size=base_config["vocab_size"], fingerprint=model_fingerprint(heads_base))
     return heads
@@ -346,7 +363,7 @@ def run_training(config: TrainConfig) -> dict:
     offsets = [torch.load(p, weights_only=True)["offsets"] for p in train_shards]
     num_rows = sum(int(o[-1]) for o in offsets)
     if config.head_kind == "attention":
-        _require_context_rows(train_shards, config)
+        _require_context_rows(train_shards + held_shards, config)
     if config.mode == "cotrain" or config.head_kind == "attention":
         # Items are answers: the student, or the draft block, reads each in full.
         # Absolute: Ray Train's workers do not run in the driver's working directory.

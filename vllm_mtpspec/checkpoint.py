@@ -92,7 +92,8 @@ def load_heads(heads_dir: str | Path, *, device: str | torch.device = "cpu", dty
     if missing or unexpected:
         raise HeadsError(
             f"{weights_path} does not match {path / CONFIG_FILE}: missing tensors {missing}, "
-            f"unexpected tensors {unexpected} (head_kind, num_heads, tied, mlp_size or quantization disagree)"
+            f"unexpected tensors {unexpected} (head_kind, num_heads, tied, mlp_size, block.feature_layers or "
+            "quantization disagree)"
         )
     for name, tensor in state.items():
         if tuple(tensor.shape) != tuple(expected[name].shape):
@@ -155,6 +156,7 @@ def check_heads_match_model(
     hidden_size: int,
     vocab_size: int,
     fingerprint: str | None,
+    num_layers: int | None = None,
 ) -> None:
     """Refuses heads made for another model, before they can draft garbage."""
     where = Path(heads_dir) / CONFIG_FILE
@@ -168,6 +170,12 @@ def check_heads_match_model(
         raise HeadsError(
             f"{where}: vocab_size={config.vocab_size} but the model's vocabulary has {vocab_size} "
             f"entries: these heads{made_for} belong to another model"
+        )
+    layers = config.block.feature_layers if config.block is not None else []
+    if num_layers is not None and any(layer >= num_layers for layer in layers):
+        raise HeadsError(
+            f"{where}: block.feature_layers={layers} but the model has {num_layers} layers (0 .. {num_layers - 1}): "
+            f"these heads{made_for} read layers it does not have; use heads trained for this model"
         )
     if fingerprint is not None and config.base_model_fingerprint and config.base_model_fingerprint != fingerprint:
         raise HeadsError(

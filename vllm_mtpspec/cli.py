@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 from vllm_mtpspec.config import HEAD_INPUTS, HEAD_KINDS, TREE_PRESETS
+from vllm_mtpspec.layer_states import parse_layer_list
 
 logger = logging.getLogger("mtpspec")
 
@@ -58,8 +59,12 @@ def cmd_heads_init(args) -> int:
 
         if not args.tied:
             raise SystemExit("--kind attention projects through the model's LM head: drop --untied")
-        heads = init_draft_block(target.model, target.model_dir, num_heads=args.num_heads, seed=args.seed)
+        heads = init_draft_block(target.model, target.model_dir, num_heads=args.num_heads, seed=args.seed,
+                                 feature_layers=args.feature_layers)
     else:
+        if args.feature_layers:
+            raise SystemExit(f"--feature-layers with --kind {args.kind}: only an attention draft block reads other "
+                             "layers' states; pass --kind attention or drop --feature-layers")
         if args.kind == "sequential" and (args.head_input != "hidden+token" or not args.tied):
             raise SystemExit("--kind sequential: each depth reads the token drafted before it through the model's "
                              "embedding and LM head; pass --head-input hidden+token and drop --untied")
@@ -311,8 +316,11 @@ def cmd_eval_heads(args) -> int:
     from vllm_mtpspec.weights import embedding_and_lm_head
 
     model_dir = resolve_model(args.model, dtype="fp32")
-    # A draft block reads the context: its shards carry the prompt rows too.
-    context_rows = CONTEXT_ROWS if read_heads_config(args.heads).head_kind == "attention" else 0
+    # A draft block reads the context: its shards carry the prompt rows too, and the
+    # states entering the target layers it reads.
+    heads_config = read_heads_config(args.heads)
+    context_rows = CONTEXT_ROWS if heads_config.head_kind == "attention" else 0
+    feature_layers = heads_config.block.feature_layers if heads_config.block is not None else []
     source = Path(args.prompts)
     folders = [Path(f) for f in args.prompts.split(",") if f]
     if all(f.is_dir() for f in folders):  # self-distillation shards already made, one folder per source
@@ -322,10 +330,11 @@ def cmd_eval_heads(args) -> int:
 
         prompts = load_prompts_jsonl(source, limit=args.limit)
         key = hashlib.sha1(f"{model_dir}|{source.resolve()}|{source.stat().st_mtime}|{args.max_new_tokens}|{args.limit}"
-                           f"{f'|context={context_rows}' if context_rows else ''}".encode()).hexdigest()[:12]
+                           f"{f'|context={context_rows}' if context_rows else ''}"
+                           f"{f'|layers={feature_layers}' if feature_layers else ''}".encode()).hexdigest()[:12]
         data_dir = cache_root() / "eval-data" / key
         generate_self_distillation(model_dir, prompts, data_dir, max_new_tokens=args.max_new_tokens,
-                                   context_rows=context_rows)
+                                   context_rows=context_rows, feature_layers=feature_layers)
         shards = list_shards(data_dir)
     target = load_target(str(model_dir), dtype="fp32")
     heads = load_heads_for(target, args.heads)
@@ -386,6 +395,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "hidden+token; drafts chains only); 'attention': one transformer block shaped like the "
                         "model's layers that attends over the context and is applied again for each deeper draft "
                         "(--head-input, --mlp-size and --init-std are the MLP heads' own)")
+    p.add_argument("--feature-layers", type=parse_layer_list, default=[],
+                   help="--kind attention: target layers (e.g. 2,15,27) whose input states the block reads beside "
+                        "the final one (EAGLE-3's features; default: the final state only)")
     tied = p.add_mutually_exclusive_group()
     tied.add_argument("--tied", dest="tied", action="store_true", default=True, help="share the model's LM head (default; no vocab matrix)")
     tied.add_argument("--untied", dest="tied", action="store_false", help="one d x |V| projection per head (Medusa)")

@@ -79,11 +79,20 @@ class BlockConfig:
     # The most cached context entries the block attends to (a sliding window): training
     # saw the last 512 prompt rows plus an answer of up to 256.
     window: int = 1024
+    # Target layers whose input states the block reads besides the final one (EAGLE-3's
+    # low, middle and high features: what layer l receives, vLLM's aux_hidden_states for
+    # l). Empty: the final state only.
+    feature_layers: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         for name in ("attention_heads", "kv_heads", "head_dim", "mlp_size", "window"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"block.{name}={getattr(self, name)}: must be >= 1")
+        self.feature_layers = [int(layer) for layer in self.feature_layers]
+        # Ascending, as vLLM returns aux_hidden_states.
+        if any(layer < 0 for layer in self.feature_layers) or self.feature_layers != sorted(set(self.feature_layers)):
+            raise ConfigError(f"block.feature_layers={self.feature_layers}: give distinct layer indices >= 0 in "
+                              "ascending order")
         if self.attention_heads % self.kv_heads:
             raise ConfigError(f"block.attention_heads={self.attention_heads} is not a multiple of "
                               f"block.kv_heads={self.kv_heads}: each key/value head serves a whole group of queries")

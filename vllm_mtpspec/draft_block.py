@@ -15,6 +15,11 @@ drafts of a chain that is still right); drafting caches the context's keys and v
 per request (`BlockCache`): entries of accepted tokens only, so a rejected draft leaves
 nothing behind (a chain's own entries are appended while it is drafted, then cut off).
 
+With block.feature_layers (EAGLE-3), the entries of the context also read the states
+entering those target layers: u_p += W_l [norm_1(a1_p); ...; norm_n(an_p)]. The chain's
+own entries (depth > 1) have no target states and take g's term alone; W_l starts at
+zero, so a block given extra layers starts as the block it grew from.
+
 The block's output goes through a final RMSNorm (initialised from the target's) so that
 g lives on the scale of f: the target's LM head reads it and the next depth takes it as
 a feature.
@@ -105,6 +110,9 @@ class DraftBlock(DraftModule):
         self.feature_norm = RMSNorm(d, eps)
         self.token_norm = RMSNorm(d, eps)
         self.fuse = nn.Linear(2 * d, d, bias=False)
+        if block.feature_layers:
+            self.layer_norms = nn.ModuleList(RMSNorm(d, eps) for _ in block.feature_layers)
+            self.layer_fuse = nn.Linear(len(block.feature_layers) * d, d, bias=False)
         self.attention_norm = RMSNorm(d, eps)
         self.q_proj = nn.Linear(d, block.attention_heads * block.head_dim, bias=False)
         self.k_proj = nn.Linear(d, block.kv_heads * block.head_dim, bias=False)
@@ -118,6 +126,8 @@ class DraftBlock(DraftModule):
         for linear in (self.fuse, self.q_proj, self.k_proj, self.v_proj, self.o_proj, self.gate_proj,
                        self.up_proj, self.down_proj):
             nn.init.normal_(linear.weight, std=0.02)
+        if block.feature_layers:
+            nn.init.zeros_(self.layer_fuse.weight)
 
     is_quantized = False
 
@@ -126,10 +136,17 @@ class DraftBlock(DraftModule):
                          "ship it in fp16 (`mtpspec heads cast`)")
 
     # ------------------------------------------------------------------ pieces
-    def fused_inputs(self, features: torch.Tensor, token_embeds: torch.Tensor) -> torch.Tensor:
-        """[..., d] features and [..., d] embeddings of the tokens they produced -> [..., d]."""
+    def fused_inputs(self, features: torch.Tensor, token_embeds: torch.Tensor,
+                     layer_features: torch.Tensor | None = None) -> torch.Tensor:
+        """[..., d] features and [..., d] embeddings of the tokens they produced -> [..., d].
+        layer_features [..., n, d]: the states entering the block's feature_layers, for
+        entries of the target's own positions (None for a chain's drafted ones)."""
         dtype = self.fuse.weight.dtype
-        return self.fuse(torch.cat([self.feature_norm(features.to(dtype)), self.token_norm(token_embeds.to(dtype))], -1))
+        x = self.fuse(torch.cat([self.feature_norm(features.to(dtype)), self.token_norm(token_embeds.to(dtype))], -1))
+        if layer_features is None or not self.feature_layers:
+            return x
+        normed = [norm(layer_features[..., i, :].to(dtype)) for i, norm in enumerate(self.layer_norms)]
+        return x + self.layer_fuse(torch.cat(normed, -1))
 
     def _qkv(self, x: torch.Tensor, positions: torch.Tensor):
         """x [B, T, d] at positions [B, T] -> q [B, H, T, hd], k and v [B, KV, T, hd]."""
@@ -169,14 +186,16 @@ class DraftBlock(DraftModule):
 
     # ------------------------------------------------------------------ training / replay
     def unrolled(self, features: torch.Tensor, token_embeds: list[torch.Tensor], positions: torch.Tensor,
-                 valid: torch.Tensor) -> list[torch.Tensor]:
+                 valid: torch.Tensor, layer_features: torch.Tensor | None = None) -> list[torch.Tensor]:
         """Every position's chain at once, as drafting would run it with right drafts.
 
         features [B, T, d]; token_embeds[j - 1] [B, T, d]: the embedding of s_{p+j} at p
-        (depth j's token); positions [B, T]; valid [B, T]: real entries (padding is False).
+        (depth j's token); positions [B, T]; valid [B, T]: real entries (padding is False);
+        layer_features [B, T, n, d] for a block with feature_layers.
         Returns g^1 .. g^k, each [B, T, d], g^j_p guessing s_{p+j+1}'s state."""
         scale = 1.0 / math.sqrt(self.block_config.head_dim)
-        x = self.fused_inputs(features, token_embeds[0])
+        self._require_layer_features(layer_features)
+        x = self.fused_inputs(features, token_embeds[0], layer_features)
         q, k, v = self._qkv(x, positions)
         context_k, context_v = self._expand_kv(k), self._expand_kv(v)         # [B, H, T, hd]
         t = features.shape[1]
@@ -206,22 +225,36 @@ class DraftBlock(DraftModule):
         empty = torch.zeros(cfg.kv_heads, 0, cfg.head_dim, device=device, dtype=dtype)
         return BlockCache(keys=empty, values=empty.clone())
 
-    def extend(self, cache: BlockCache, features: torch.Tensor, token_embeds: torch.Tensor) -> torch.Tensor:
+    def _require_layer_features(self, layer_features) -> None:
+        if self.feature_layers and layer_features is None:
+            raise ValueError(f"this draft block reads the states entering target layers {self.feature_layers} "
+                             "(block.feature_layers) and none were given")
+
+    def extend(self, cache: BlockCache, features: torch.Tensor, token_embeds: torch.Tensor,
+               layer_features: torch.Tensor | None = None) -> torch.Tensor:
         """extend_many for one request."""
-        return self.extend_many([cache], [features], [token_embeds])[0]
+        return self.extend_many([cache], [features], [token_embeds],
+                                None if layer_features is None else [layer_features])[0]
 
     def extend_many(self, caches: list[BlockCache], features: list[torch.Tensor],
-                    token_embeds: list[torch.Tensor]) -> list[torch.Tensor]:
+                    token_embeds: list[torch.Tensor],
+                    layer_features: list[torch.Tensor] | None = None) -> list[torch.Tensor]:
         """Appends each request's next positions (features [n_b, d] and the embeddings of
-        the tokens they produced) to its cache and returns their outputs g [n_b, d], all
-        requests in one pass. A draft is the same call on its chain's entries, undone with
-        `truncate` once the chain is drafted; `trim` drops what fell out of the window."""
+        the tokens they produced; layer_features [n_b, n, d] where the positions are the
+        target's own and the block reads feature_layers) to its cache and returns their
+        outputs g [n_b, d], all requests in one pass. A draft is the same call on its
+        chain's entries (no layer features), undone with `truncate` once the chain is
+        drafted; `trim` drops what fell out of the window."""
         cfg = self.block_config
         device = features[0].device
         lengths = [f.shape[0] for f in features]
         n = max(lengths)
         pad = lambda t: F.pad(t, (0, 0, 0, n - t.shape[0]))  # noqa: E731
-        x = self.fused_inputs(torch.stack([pad(f) for f in features]), torch.stack([pad(e) for e in token_embeds]))
+        padded_layers = None
+        if layer_features is not None:
+            padded_layers = torch.stack([F.pad(t, (0, 0, 0, 0, 0, n - t.shape[0])) for t in layer_features])
+        x = self.fused_inputs(torch.stack([pad(f) for f in features]), torch.stack([pad(e) for e in token_embeds]),
+                              padded_layers)
         starts = torch.tensor([c.length for c in caches], device=device)
         positions = starts[:, None] + torch.arange(n, device=device)                         # [B, n]
         q, k, v = self._qkv(x, positions)
@@ -283,7 +316,7 @@ def _rope_theta(model_config) -> float:
     return float(parameters.get("rope_theta") or getattr(model_config, "rope_theta", None) or 10000.0)
 
 
-def block_config_for(model_config, *, window: int = 1024) -> BlockConfig:
+def block_config_for(model_config, *, window: int = 1024, feature_layers=()) -> BlockConfig:
     """A block shaped like one of the target's own decoder layers."""
     heads = model_config.num_attention_heads
     return BlockConfig(
@@ -294,4 +327,5 @@ def block_config_for(model_config, *, window: int = 1024) -> BlockConfig:
         rope_theta=_rope_theta(model_config),
         rms_norm_eps=float(getattr(model_config, "rms_norm_eps", 1e-5)),
         window=window,
+        feature_layers=list(feature_layers),
     )

@@ -12,6 +12,7 @@ from typing import Protocol
 import torch
 
 from vllm_mtpspec.heads import DraftModule, MTPHeads
+from vllm_mtpspec.layer_states import split_layer_states
 
 
 class Drafter(Protocol):
@@ -63,6 +64,8 @@ class BlockDrafter:
     def __init__(self, block, model) -> None:
         self.block = block
         self.num_heads = block.num_heads
+        # The rows it is given carry the states entering these layers too (layer_states.py).
+        self.feature_layers = block.feature_layers
         self.temperatures = block.temperatures
         self._embed = model.get_input_embeddings()
         self._project = block.lm_head_for(model.get_output_embeddings().weight.detach())
@@ -72,18 +75,23 @@ class BlockDrafter:
         weight = self.block.fuse.weight
         self.cache = self.block.empty_cache(device=weight.device, dtype=weight.dtype)
 
+    def _extend(self, rows: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+        states, layers = split_layer_states(rows, self.block.config.hidden_size)
+        return self.block.extend(self.cache, states, self._embed(tokens), layers)
+
     @torch.no_grad()
     def observe(self, states: torch.Tensor, tokens: torch.Tensor) -> None:
-        """states [n, d] of accepted positions and the tokens [n] each produced."""
+        """states [n, d] (or rows with layer states, [n, (1 + n_layers) d]) of accepted
+        positions and the tokens [n] each produced."""
         if tokens.numel():
-            self.block.extend(self.cache, states, self._embed(tokens))
+            self._extend(states, tokens)
             self.block.trim(self.cache)
 
     @torch.no_grad()
     def head_logits(self, hidden: torch.Tensor, root_tokens: torch.Tensor) -> torch.Tensor:
         if hidden.shape[0] != 1:
             raise ValueError(f"BlockDrafter drafts for one sequence at a time, got a batch of {hidden.shape[0]}")
-        newest = self.block.extend(self.cache, hidden, self._embed(root_tokens))[-1:]
+        newest = self._extend(hidden, root_tokens)[-1:]
         self.block.trim(self.cache)
         logits = self.block.draft_chains([self.cache], newest, self.num_heads, self._project, self._embed,
                                          self.block.draft_vocab)

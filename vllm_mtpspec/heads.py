@@ -54,6 +54,12 @@ class DraftModule(nn.Module):
         return self.config.num_heads
 
     @property
+    def feature_layers(self) -> list[int]:
+        """Target layers whose input states the drafts read besides the final state (a
+        draft block's block.feature_layers; none for MLP heads)."""
+        return list(self.config.block.feature_layers) if self.config.block is not None else []
+
+    @property
     def draft_vocab(self) -> torch.Tensor | None:
         """The target ids of the draft vocabulary's entries (None: the whole vocabulary)."""
         return getattr(self, "draft_token_ids", None)

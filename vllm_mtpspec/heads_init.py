@@ -6,7 +6,7 @@ from pathlib import Path
 import torch
 
 from vllm_mtpspec.checkpoint import model_fingerprint
-from vllm_mtpspec.config import HeadsConfig
+from vllm_mtpspec.config import ConfigError, HeadsConfig
 from vllm_mtpspec.head_kinds import build_heads
 from vllm_mtpspec.heads import MTPHeads
 
@@ -69,22 +69,25 @@ def init_heads(
     return heads
 
 
-def init_draft_block(model, model_dir: str | Path, *, num_heads: int, window: int = 1024, seed: int = 0):
+def init_draft_block(model, model_dir: str | Path, *, num_heads: int, window: int = 1024, seed: int = 0,
+                     feature_layers: list[int] | tuple[int, ...] = ()):
     """A fresh attention draft block shaped like one of the model's decoder layers that
     starts by passing the feature through: its fusion reads the feature alone, attention
     and MLP add nothing yet (their output matrices are zero) and the output norm puts the
     result back on h's scale, so an untrained block drafts what the LM head says on h,
-    as untrained parallel heads do, rather than noise."""
+    as untrained parallel heads do, rather than noise. feature_layers: target layers
+    whose input states it reads too (their fusion starts at zero)."""
     from vllm_mtpspec.draft_block import DraftBlock, block_config_for
 
     cfg = model.config
+    check_feature_layers(feature_layers, cfg.num_hidden_layers, where="feature_layers")
     config = HeadsConfig(
         num_heads=num_heads,
         hidden_size=cfg.hidden_size,
         vocab_size=cfg.vocab_size,
         head_kind="attention",
         head_input="hidden+token",
-        block=block_config_for(cfg, window=window),
+        block=block_config_for(cfg, window=window, feature_layers=feature_layers),
         base_model_fingerprint=model_fingerprint(model_dir),
         base_model_name=model_display_name(model_dir),
         base_model_num_params=sum(p.numel() for p in model.parameters()),
@@ -103,3 +106,33 @@ def init_draft_block(model, model_dir: str | Path, *, num_heads: int, window: in
         block.down_proj.weight.zero_()
         block.output_norm.weight.fill_(scale)
     return block
+
+
+def check_feature_layers(feature_layers, num_layers: int, *, where: str) -> None:
+    """Refuses layer indices the target does not have (its layers are 0 .. num_layers - 1)."""
+    beyond = [layer for layer in feature_layers if not 0 <= layer < num_layers]
+    if beyond:
+        raise ConfigError(f"{where}={list(feature_layers)}: layers {beyond} are not among the target's "
+                          f"{num_layers} layers (0 .. {num_layers - 1})")
+
+
+def grown_block(block, feature_layers: list[int]):
+    """An attention draft block like `block` that also reads the states entering
+    feature_layers: every weight it had is kept and the new fusion starts at zero, so it
+    drafts exactly what `block` drafts until it trains."""
+    import copy
+
+    from vllm_mtpspec.draft_block import DraftBlock
+
+    if block.feature_layers:
+        raise ConfigError(f"init_from: the block already reads layers {block.feature_layers}; "
+                          "feature_layers can only be added to a block that reads none")
+    config = copy.deepcopy(block.config)
+    config.block.feature_layers = list(feature_layers)
+    like = next(block.parameters())
+    grown = DraftBlock(config).to(like.device, like.dtype)
+    # Strict but for the new fusion's weights, which keep their initial values.
+    missing, unexpected = grown.load_state_dict(block.state_dict(), strict=False)
+    if unexpected or not all(name.startswith(("layer_norms.", "layer_fuse.")) for name in missing):
+        raise RuntimeError(f"growing the block: weights {unexpected or missing} do not match")
+    return grown

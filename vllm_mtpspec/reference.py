@@ -19,6 +19,7 @@ import torch
 
 from vllm_mtpspec.config import SpecOptions
 from vllm_mtpspec.drafter import Drafter
+from vllm_mtpspec.layer_states import recording_layer_inputs, with_layer_states
 from vllm_mtpspec.lookup import lookup_draft
 from vllm_mtpspec.tree import DraftTreeBuilder, TreeShape, chain_tree
 from vllm_mtpspec.verify import verify_greedy, verify_sampled
@@ -56,6 +57,8 @@ class ReferenceDecoder:
                                       rank_accuracy=options.head_rank_accuracy or rank_accuracy)
         # Heads whose deeper drafts read their own guesses grow their dynamic trees.
         self.grows_trees = options.tree == "dynamic" and getattr(drafter, "grows_trees", False)
+        # Target layers whose input states the drafter reads beside the final one.
+        self.feature_layers = list(getattr(drafter, "feature_layers", None) or [])
 
     @property
     def static_shape(self) -> TreeShape | None:
@@ -66,15 +69,19 @@ class ReferenceDecoder:
         return self.model.get_output_embeddings()
 
     def _forward(self, input_ids, positions, cache, mask=None):
-        out = self.model.model(
-            input_ids=input_ids.unsqueeze(0),
-            position_ids=positions.unsqueeze(0),
-            attention_mask=mask,
-            past_key_values=cache,
-            use_cache=True,
-        )
+        """(drafter rows [q, (1 + n) d]: the final states, with the states entering the
+        drafter's feature layers where it reads any; logits [q, V]; the cache)."""
+        with recording_layer_inputs(self.model.model, self.feature_layers) as entering:
+            out = self.model.model(
+                input_ids=input_ids.unsqueeze(0),
+                position_ids=positions.unsqueeze(0),
+                attention_mask=mask,
+                past_key_values=cache,
+                use_cache=True,
+            )
         hidden = out.last_hidden_state[0]  # [q, d], after the final norm
-        return hidden, self._lm_head(hidden).float(), out.past_key_values
+        rows = with_layer_states(hidden, [entering[layer] for layer in self.feature_layers])
+        return rows, self._lm_head(hidden).float(), out.past_key_values
 
     def _pick(self, logits: torch.Tensor, temperature: float, generator) -> int:
         if temperature <= 0:

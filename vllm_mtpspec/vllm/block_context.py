@@ -30,6 +30,9 @@ class ScheduledRows:
     hidden_states: torch.Tensor      # [>= total scheduled tokens, d], requests' rows in batch order
     num_scheduled: list[int]         # per request in the batch
     num_computed: list[int]          # per request: its position of this step's first token
+    # The states entering the block's feature layers at the same rows (vLLM's
+    # aux_hidden_states, ascending layers), where the block reads any.
+    layer_states: list[torch.Tensor] | None = None
 
 
 class BlockContexts:
@@ -45,7 +48,14 @@ class BlockContexts:
         newest position (what drafts from it)."""
         live = set(req_ids)
         self.caches = {r: c for r, c in self.caches.items() if r in live}
-        fed, caches, states, produced = [], [], [], []
+        fed, caches, states, produced, layers = [], [], [], [], []
+        entering = None
+        if self.block.feature_layers:
+            if not rows.layer_states or len(rows.layer_states) != len(self.block.feature_layers):
+                raise RuntimeError(f"the draft block reads the states entering target layers "
+                                   f"{self.block.feature_layers}, and vLLM handed "
+                                   f"{len(rows.layer_states or [])} aux_hidden_states this step")
+            entering = torch.stack([state[:rows.hidden_states.shape[0]] for state in rows.layer_states], 1)
         offset = 0
         for i, req_id in enumerate(req_ids):
             n, start = int(rows.num_scheduled[i]), int(rows.num_computed[i])
@@ -55,13 +65,15 @@ class BlockContexts:
                 fed.append(i)
                 caches.append(cache)
                 states.append(rows.hidden_states[offset:offset + known])
+                if entering is not None:
+                    layers.append(entering[offset:offset + known])
                 produced.append(torch.as_tensor(token_ids_cpu[i, start + 1:start + 1 + known], dtype=torch.long))
             offset += n
         if not fed:
             return {}
         device = rows.hidden_states.device
         embeds = self._embed(torch.cat(produced).to(device)).split([len(t) for t in produced])
-        outputs = self.block.extend_many(caches, states, list(embeds))
+        outputs = self.block.extend_many(caches, states, list(embeds), layers if entering is not None else None)
         for cache in caches:
             self.block.trim(cache)
         return {i: out[-1] for i, out in zip(fed, outputs)}

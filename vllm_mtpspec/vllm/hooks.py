@@ -10,6 +10,8 @@
    0.32 and 0.33) holds the hidden states that a `custom_class` proposer never receives:
    the wrapper hands them to our proposer, then calls vLLM's own method (and times it,
    for any proposer: benchmarks report the drafting share of step time).
+   GPUModelRunner._setup_eagle3_aux_hidden_state_outputs: a draft block that reads
+   target layers (block.feature_layers) asks vLLM for them as EAGLE-3 does.
    GPUModelRunner._on_request_state_removed (vLLM's hook for request-scoped side caches,
    called for every finished or aborted request, in empty steps too) tells the proposer
    to drop what it holds for that request.
@@ -117,6 +119,7 @@ def _mtpspec_to_custom_class(spec, additional_config, target_model_config):
         model_path=target_model_config.model,
         hidden_size=hf_config.hidden_size,
         vocab_size=hf_config.vocab_size,
+        num_layers=getattr(hf_config, "num_hidden_layers", None),
     )
     # num_speculative_tokens is the number of heads used (default: all). vLLM's own
     # num_speculative_tokens is the most draft tokens a request sends per step: the
@@ -214,6 +217,39 @@ def install_finished_request_hook() -> None:
     _installed.add("finished_requests")
 
 
+def install_layer_states_hook() -> None:
+    """GPUModelRunner._setup_eagle3_aux_hidden_state_outputs (the end of load_model on
+    the GPU and CPU runners, 0.32 and 0.33) is where vLLM asks the model for
+    aux_hidden_states for EAGLE-3. A draft block whose heads read target layers
+    (block.feature_layers) asks for those layers there; vLLM then hands them to
+    propose_draft_token_ids, which the hidden-state hook passes on (ScheduledRows)."""
+    if "layer_states" in _installed:
+        return
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    _require(GPUModelRunner, "_setup_eagle3_aux_hidden_state_outputs")
+    original = GPUModelRunner._setup_eagle3_aux_hidden_state_outputs
+
+    @functools.wraps(original)
+    def _setup_eagle3_aux_hidden_state_outputs(self):
+        layers = getattr(getattr(self, "drafter", None), "feature_layers", None)
+        if not layers:
+            return original(self)
+        from vllm.model_executor.models.interfaces import supports_eagle3
+
+        if not supports_eagle3(self.get_model()):
+            raise RuntimeError(
+                f"the mtpspec heads' draft block reads the states entering target layers {list(layers)} "
+                f"(block.feature_layers in the heads' config.json), and {type(self.get_model()).__name__} cannot "
+                "return them (vLLM's EAGLE-3 interface); use heads whose block reads the final state only")
+        self.use_aux_hidden_state_outputs = True
+        self.model.set_aux_hidden_state_layers(tuple(layers))
+        logger.info("mtpspec: the target returns the states entering layers %s for the draft block", list(layers))
+
+    GPUModelRunner._setup_eagle3_aux_hidden_state_outputs = _setup_eagle3_aux_hidden_state_outputs
+    _installed.add("layer_states")
+
+
 def _scheduled_rows(runner, arguments, req_ids: list[str]) -> "ScheduledRows | None":
     """The states of every token the step computed, with each request's share of them
     and where its tokens began (what a draft block that reads the context is fed)."""
@@ -227,6 +263,7 @@ def _scheduled_rows(runner, arguments, req_ids: list[str]) -> "ScheduledRows | N
         hidden_states=arguments["hidden_states"],
         num_scheduled=[int(counts.get(r, 0)) for r in req_ids],
         num_computed=runner.input_batch.num_computed_tokens_cpu[:len(req_ids)].tolist(),
+        layer_states=arguments.get("aux_hidden_states"),
     )
 
 
@@ -468,6 +505,7 @@ def install_all() -> None:
         logger.warning("vllm-mtpspec: vLLM %s is not supported (0.32, 0.33); mtpspec is disabled", version)
         return
     install_hidden_state_hook()
+    install_layer_states_hook()
     install_finished_request_hook()
     install_tree_hooks()
     install_cpu_expand_fix()

@@ -82,6 +82,7 @@ def check_against_model(
     model_path: str,
     hidden_size: int,
     vocab_size: int,
+    num_layers: int | None = None,
 ) -> HeadsConfig:
     """Everything that can be known before the engine starts: heads exist and load, fit
     the served model, and there are enough of them."""
@@ -92,7 +93,7 @@ def check_against_model(
     local = Path(model_path)
     fingerprint = model_fingerprint(local) if (local / "config.json").is_file() else None
     check_heads_match_model(config, heads_dir=options.heads, hidden_size=hidden_size,
-                            vocab_size=vocab_size, fingerprint=fingerprint)
+                            vocab_size=vocab_size, fingerprint=fingerprint, num_layers=num_layers)
     k = num_speculative_tokens or options.num_speculative_tokens
     SpecOptions(num_speculative_tokens=k).depth_for(config, source="speculative config")
     return config

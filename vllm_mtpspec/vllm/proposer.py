@@ -75,6 +75,7 @@ class MTPSpecProposer:
             model_path=model_config.model,
             hidden_size=hf_config.hidden_size,
             vocab_size=hf_config.vocab_size,
+            num_layers=getattr(hf_config, "num_hidden_layers", None),
         )
         if (refusal := self.heads_config.tree_refusal(self.options.tree)) is not None:
             raise ConfigError(f"{self.options.heads}/config.json: {refusal}, and tree={self.options.tree!r} was asked: "
@@ -143,6 +144,13 @@ class MTPSpecProposer:
             "planned": f"whole chains below {start} running requests; from {start} up, each request's drafts as "
                        "far as their expected tokens are worth the verify time they add (measured while serving)",
         }[self.draft_size_rule])
+
+    @property
+    def feature_layers(self) -> list[int]:
+        """Target layers whose input states the draft block reads: vLLM is asked for them
+        at load (hooks.install_layer_states_hook) and hands them over every step."""
+        block = self.heads_config.block
+        return list(block.feature_layers) if block is not None else []
 
     def forget(self, req_id: str) -> None:
         """A request finished or was aborted: nothing of it is kept."""
