@@ -408,16 +408,36 @@ def test_a_batch_that_started_together_offers_the_planner_only_the_requests_behi
 
     p, _, model = make_proposer(draft_size="planned", batch_backoff_start=1)
     # By default a batch with a sampled request is paced: "a" is ahead and waits.
-    assert p.pacing == "sampled"
+    assert p.pacing == "default"
     mask, drafts = offered_in(p, [False, True, False])
     assert mask == [False, True, True]
     assert drafts[0] == [] and len(drafts[1]) == 3 and p.paced_steps == 1
-    # A greedy batch is not, unless pacing is asked always; and never is never.
+    # A greedy batch below GREEDY_PACED_FROM requests is not, unless pacing is asked always
+    # (or sampled: a greedy batch never); and never is never.
     assert offered_in(make_proposer(draft_size="planned", batch_backoff_start=1)[0], [False] * 3)[0] == [True] * 3
+    sampled_only = make_proposer(draft_size="planned", batch_backoff_start=1, pace_cohorts="sampled")[0]
+    assert offered_in(sampled_only, [False] * 3)[0] == [True] * 3 and sampled_only.paced_steps == 0
     always = make_proposer(draft_size="planned", batch_backoff_start=1, pace_cohorts="always")[0]
     assert offered_in(always, [False] * 3)[0] == [False, True, True]
     never = make_proposer(draft_size="planned", batch_backoff_start=1, pace_cohorts="never")[0]
     assert offered_in(never, [True] * 3)[0] == [True] * 3 and never.paced_steps == 0
+
+
+def test_by_default_a_large_greedy_batch_that_started_together_is_paced(make_proposer, monkeypatch):
+    import vllm_mtpspec.vllm.proposer as proposer_module
+
+    p, _, model = make_proposer(draft_size="planned", batch_backoff_start=1)
+    offered = []
+    p.planner.plan = lambda req_ids, candidates, **k: offered.append(candidates) or [3] * len(req_ids)
+
+    def step():
+        p.capture_step(torch.randn(3, model.config.hidden_size), None, ["a", "b", "c"], decode_only=True,
+                       sampled=lambda i: False, budget=[(64, 24), (64, 20), (64, 21)].__getitem__)
+        p.propose([[1], [2], [3]])
+        return [c is not None for c in offered[-1]]
+    assert step() == [True] * 3 and p.paced_steps == 0                 # 3 greedy requests: below the size
+    monkeypatch.setattr(proposer_module, "GREEDY_PACED_FROM", 3)
+    assert step() == [False, True, True] and p.paced_steps == 1        # from the size up: paced
 
 
 def test_pacing_asked_of_an_engine_that_does_not_plan_is_refused_at_start_up(make_proposer):

@@ -25,6 +25,13 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 
+# Left unset, pace_cohorts paces sampled batches and greedy ones of at least this many
+# requests: side by side on a 2-core Xeon, greedy batches of 32 and 64 read 1.03x and
+# 1.00x of vLLM alone paced against 0.93x and 0.92x unpaced, while at 4-16 pacing was
+# level with unpaced or behind it (benchmarks/RESULTS.md).
+GREEDY_PACED_FROM = 32
+
+
 class CohortPacer:
     def __init__(self, *, join_window: int = 16) -> None:
         self.join_window = join_window

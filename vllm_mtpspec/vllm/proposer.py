@@ -39,7 +39,7 @@ import torch
 
 from vllm_mtpspec.adaptive import DraftSizeController
 from vllm_mtpspec.checkpoint import load_heads
-from vllm_mtpspec.cohort import CohortPacer
+from vllm_mtpspec.cohort import GREEDY_PACED_FROM, CohortPacer
 from vllm_mtpspec.config import ConfigError
 from vllm_mtpspec.draft_planner import Candidate, DraftPlanner
 from vllm_mtpspec.draft_vocab import SlicedLMHead
@@ -119,7 +119,9 @@ class MTPSpecProposer:
         self.draft_size_rule = self.options.draft_size_rule(default_draft_size())
         self.draft_sizes = None
         self.planner = DraftPlanner(self.depth) if self.draft_size_rule == "planned" else None
-        self.pacing = self.options.pace_cohorts or ("sampled" if self.planner is not None else "never")
+        # Unset: "default" where the planner plans (sampled batches, and greedy ones from
+        # GREEDY_PACED_FROM requests up).
+        self.pacing = self.options.pace_cohorts or ("default" if self.planner is not None else "never")
         if self.pacing != "never" and self.planner is None:
             raise ConfigError(f"pace_cohorts={self.pacing!r} paces the planner's drafts, and this engine's draft "
                               f"size is {self.draft_size_rule!r}: give draft_size='planned', or "
@@ -374,13 +376,16 @@ class MTPSpecProposer:
 
     def _paced_pairs(self, pairs: list[tuple[int, int]], sampled: list[bool]) -> list[tuple[int, int]]:
         """The (request, row) pairs that may draft this step: in a batch that started together
-        (with a sampled request, unless pace_cohorts='always'), those that have made the fewest
+        (with a sampled request, or by default also a greedy one of GREEDY_PACED_FROM
+        requests or more, or any with pace_cohorts='always'), those that have made the fewest
         tokens (cohort.py); else all. Every tensor-parallel rank reads the same batch and
         counts, so every rank drafts for the same requests."""
         self._paced = None
         if self.pacer is None or self._budget is None or not self.pacer.is_cohort:
             return pairs
         if self.pacing == "sampled" and not any(sampled):
+            return pairs
+        if self.pacing == "default" and not any(sampled) and len(sampled) < GREEDY_PACED_FROM:
             return pairs
         may = self.pacer.may_draft([self._budget(i) for i in range(len(sampled))], slack=self.depth)
         self._paced = (sum(may), len(sampled))
