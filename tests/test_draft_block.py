@@ -219,6 +219,14 @@ def test_a_block_reading_layers_saves_loads_and_is_refused_where_its_config_disa
         load_heads(tmp_path / "block")
 
 
+def test_new_blocks_are_refused_layers_the_target_lacks():
+    from vllm_mtpspec.heads_init import check_feature_layers
+
+    with pytest.raises(ConfigError, match=r"feature_layers=\[2, 30\]: layers \[30\] are not among the target's 30 layers"):
+        check_feature_layers([2, 30], 30, where="feature_layers")
+    check_feature_layers([0, 15, 29], 30, where="feature_layers")
+
+
 def test_block_configs_are_checked():
     with pytest.raises(ConfigError, match="head_kind='attention' with block=unset"):
         HeadsConfig(num_heads=2, hidden_size=D, vocab_size=VOCAB, head_kind="attention")

@@ -60,13 +60,15 @@ class BlockModule(PosthocModule):
                  depth_decay: float = 1.0) -> None:
         super().__init__(heads, lm_head=lm_head, embed=embed, num_negatives=num_negatives, kl_weight=kl_weight,
                          depth_decay=depth_decay)
-        # Answers come shuffled across all shards: every shard stays loaded once read
-        # (a few GB for the whole data set) rather than being read again per answer.
+        # Answers come shuffled across all shards, so every shard stays open once read.
+        # Memory-mapped: an answer reads only its own rows, and the page cache, not the
+        # process, holds the rest (shards with extra layers' states run to ~10 GB in all,
+        # more than this process may keep).
         self._shards: dict[str, dict] = {}
 
     def _shard(self, path: str) -> dict:
         if path not in self._shards:
-            self._shards[path] = torch.load(path, weights_only=True)
+            self._shards[path] = torch.load(path, weights_only=True, mmap=True)
         return self._shards[path]
 
     def forward(self, batch: dict, generator=None):

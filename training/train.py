@@ -256,7 +256,7 @@ def _require_context_rows(shards: list[Path], config: TrainConfig) -> None:
     for shard in shards:
         first_of_each_folder.setdefault(shard.parent, shard)
     for shard in first_of_each_folder.values():
-        loaded = torch.load(shard, weights_only=True)
+        loaded = torch.load(shard, weights_only=True, mmap=True)
         if not has_context_rows(loaded):
             raise TrainConfigError(
                 f"train_data: {shard} carries no prompt rows (context_hidden), which head_kind='attention' trains "
@@ -360,7 +360,7 @@ def run_training(config: TrainConfig) -> dict:
         save_heads(initial_heads(config, heads_base), init_dir)
     connect_ray(config)
     ray.data.DataContext.get_current().enable_progress_bars = False  # the training bar is the one to watch
-    offsets = [torch.load(p, weights_only=True)["offsets"] for p in train_shards]
+    offsets = [torch.load(p, weights_only=True, mmap=True)["offsets"] for p in train_shards]  # reads no states
     num_rows = sum(int(o[-1]) for o in offsets)
     if config.head_kind == "attention":
         _require_context_rows(train_shards + held_shards, config)

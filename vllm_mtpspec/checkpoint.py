@@ -13,7 +13,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
-from vllm_mtpspec.config import ConfigError, HeadsConfig
+from vllm_mtpspec.config import ConfigError, HeadsConfig, layers_beyond
 from vllm_mtpspec.draft_vocab import check_id_map
 from vllm_mtpspec.head_kinds import build_heads
 from vllm_mtpspec.heads import DraftModule
@@ -171,8 +171,8 @@ def check_heads_match_model(
             f"{where}: vocab_size={config.vocab_size} but the model's vocabulary has {vocab_size} "
             f"entries: these heads{made_for} belong to another model"
         )
-    layers = config.block.feature_layers if config.block is not None else []
-    if num_layers is not None and any(layer >= num_layers for layer in layers):
+    layers = config.feature_layers
+    if num_layers is not None and layers_beyond(layers, num_layers):
         raise HeadsError(
             f"{where}: block.feature_layers={layers} but the model has {num_layers} layers (0 .. {num_layers - 1}): "
             f"these heads{made_for} read layers it does not have; use heads trained for this model"

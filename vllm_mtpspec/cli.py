@@ -320,7 +320,7 @@ def cmd_eval_heads(args) -> int:
     # states entering the target layers it reads.
     heads_config = read_heads_config(args.heads)
     context_rows = CONTEXT_ROWS if heads_config.head_kind == "attention" else 0
-    feature_layers = heads_config.block.feature_layers if heads_config.block is not None else []
+    feature_layers = heads_config.feature_layers
     source = Path(args.prompts)
     folders = [Path(f) for f in args.prompts.split(",") if f]
     if all(f.is_dir() for f in folders):  # self-distillation shards already made, one folder per source

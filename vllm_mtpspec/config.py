@@ -66,6 +66,12 @@ class QuantConfig:
             )
 
 
+def layers_beyond(feature_layers, num_layers: int) -> list[int]:
+    """The layer indices among feature_layers that a target with num_layers layers
+    (0 .. num_layers - 1) does not have."""
+    return [layer for layer in feature_layers if not 0 <= layer < num_layers]
+
+
 @dataclass(kw_only=True)
 class BlockConfig:
     """The shape of an attention draft block: a Llama decoder layer (grouped-query
@@ -170,6 +176,12 @@ class HeadsConfig:
         if self.draft_vocab_size and not self.tied:
             raise ConfigError(f"draft_vocab_size={self.draft_vocab_size} with tied=false: a draft vocabulary is "
                               "built for tied heads (they slice the target's LM head); set draft_vocab_size=0")
+
+    @property
+    def feature_layers(self) -> list[int]:
+        """Target layers whose input states the drafts read besides the final state (a
+        draft block's block.feature_layers; none for MLP heads)."""
+        return list(self.block.feature_layers) if self.block is not None else []
 
     @property
     def token_conditioned(self) -> bool:

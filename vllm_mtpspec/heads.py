@@ -55,9 +55,8 @@ class DraftModule(nn.Module):
 
     @property
     def feature_layers(self) -> list[int]:
-        """Target layers whose input states the drafts read besides the final state (a
-        draft block's block.feature_layers; none for MLP heads)."""
-        return list(self.config.block.feature_layers) if self.config.block is not None else []
+        """HeadsConfig.feature_layers."""
+        return self.config.feature_layers
 
     @property
     def draft_vocab(self) -> torch.Tensor | None:

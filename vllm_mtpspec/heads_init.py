@@ -6,7 +6,7 @@ from pathlib import Path
 import torch
 
 from vllm_mtpspec.checkpoint import model_fingerprint
-from vllm_mtpspec.config import ConfigError, HeadsConfig
+from vllm_mtpspec.config import ConfigError, HeadsConfig, layers_beyond
 from vllm_mtpspec.head_kinds import build_heads
 from vllm_mtpspec.heads import MTPHeads
 
@@ -110,7 +110,7 @@ def init_draft_block(model, model_dir: str | Path, *, num_heads: int, window: in
 
 def check_feature_layers(feature_layers, num_layers: int, *, where: str) -> None:
     """Refuses layer indices the target does not have (its layers are 0 .. num_layers - 1)."""
-    beyond = [layer for layer in feature_layers if not 0 <= layer < num_layers]
+    beyond = layers_beyond(feature_layers, num_layers)
     if beyond:
         raise ConfigError(f"{where}={list(feature_layers)}: layers {beyond} are not among the target's "
                           f"{num_layers} layers (0 .. {num_layers - 1})")

@@ -112,8 +112,8 @@ def _heads_tag(heads_dir: str, *, several: bool) -> str:
     except HeadsError:
         return name
     tag = {"attention": " block", "sequential": " sequential"}.get(config.head_kind, "")
-    if config.block is not None and config.block.feature_layers:
-        tag += f" layers={','.join(map(str, config.block.feature_layers))}"
+    if config.feature_layers:
+        tag += f" layers={','.join(map(str, config.feature_layers))}"
     if config.draft_vocab_size:
         tag += f" vocab={config.draft_vocab_size}"
     return tag + name

@@ -151,8 +151,7 @@ class MTPSpecProposer:
     def feature_layers(self) -> list[int]:
         """Target layers whose input states the draft block reads: vLLM is asked for them
         at load (hooks.install_layer_states_hook) and hands them over every step."""
-        block = self.heads_config.block
-        return list(block.feature_layers) if block is not None else []
+        return self.heads_config.feature_layers
 
     def forget(self, req_id: str) -> None:
         """A request finished or was aborted: nothing of it is kept."""
