@@ -1,5 +1,6 @@
 """The dtype the heads draft in: the platform's choice or the user's, applied to the heads
 and the draft vocabulary's LM-head rows, never to what the target verifies."""
+import copy
 from types import SimpleNamespace
 
 import pytest
@@ -7,7 +8,7 @@ import torch
 
 from vllm_mtpspec.checkpoint import save_heads
 from vllm_mtpspec.config import ConfigError, SpecOptions
-from vllm_mtpspec.heads_init import init_heads
+from vllm_mtpspec.heads_init import init_draft_block, init_heads
 from vllm_mtpspec.vllm import platform_defaults
 from vllm_mtpspec.vllm.platform_defaults import draft_dtype
 
@@ -28,24 +29,31 @@ def test_auto_drafts_an_fp32_models_heads_in_bf16_only_where_the_cpu_has_it(monk
     assert draft_dtype("float16", torch.float32, quantized=False) == torch.float16  # asked: taken as it is
 
 
-@pytest.mark.parametrize("kind", ["parallel", "sequential"])
-def test_the_proposer_drafts_in_the_asked_dtype(tiny_model, tiny_model_dir, tmp_path, kind):
+def _loaded_proposer(tiny_model, tiny_model_dir, heads_dir, draft_dtype: str):
+    """The proposer of a chain of 3 over the tiny model, heads loaded, drafting in draft_dtype."""
     from vllm_mtpspec.vllm.proposer import MTPSpecProposer
 
-    heads = init_heads(tiny_model, tiny_model_dir, num_heads=3, head_input="hidden+token", init_std=0.3, seed=2,
-                       head_kind=kind)
-    ids = torch.arange(0, 256, 2)
-    heads_dir = save_heads(heads.with_draft_vocab(ids), tmp_path / kind)
     config = SimpleNamespace(
         additional_config={"mtpspec": {"heads": str(heads_dir), "min_path_prob": 0.0, "prompt_lookup_max": 0,
-                                       "draft_dtype": "bfloat16"}},
+                                       "draft_dtype": draft_dtype}},
         model_config=SimpleNamespace(model=str(tiny_model_dir), hf_text_config=tiny_model.config, dtype=torch.float32),
         speculative_config=SimpleNamespace(num_speculative_tokens=3),
         device_config=SimpleNamespace(device="cpu"),
     )
     p = MTPSpecProposer(config)
+    p.load_model(SimpleNamespace(compute_logits=tiny_model.get_output_embeddings(),
+                                 embed_input_ids=tiny_model.get_input_embeddings()))
+    return p
+
+
+@pytest.mark.parametrize("kind", ["parallel", "sequential"])
+def test_the_proposer_drafts_in_the_asked_dtype(tiny_model, tiny_model_dir, tmp_path, kind):
+    heads = init_heads(tiny_model, tiny_model_dir, num_heads=3, head_input="hidden+token", init_std=0.3, seed=2,
+                       head_kind=kind)
+    ids = torch.arange(0, 256, 2)
+    heads_dir = save_heads(heads.with_draft_vocab(ids), tmp_path / kind)
+    p = _loaded_proposer(tiny_model, tiny_model_dir, heads_dir, "bfloat16")
     embed = tiny_model.get_input_embeddings()
-    p.load_model(SimpleNamespace(compute_logits=tiny_model.get_output_embeddings(), embed_input_ids=embed))
     assert p.draft_dtype == torch.bfloat16
     assert all(t.dtype == torch.bfloat16 for name, t in p.heads.state_dict().items() if name != "draft_token_ids")
     hidden = torch.randn(2, 64)
@@ -56,3 +64,96 @@ def test_the_proposer_drafts_in_the_asked_dtype(tiny_model, tiny_model_dir, tmp_
     with torch.no_grad():
         logits = bf16.draft_logits(hidden, embed(torch.tensor([1, 2])), 3, bf16.lm_head_for(weight), embed, ids)
     assert drafts == ids[logits.argmax(-1)].tolist()
+
+
+# ---------------------------------------------------------------------------- INT8 drafting
+def _close(int8: torch.Tensor, exact: torch.Tensor, share: float) -> bool:
+    """Every entry within `share` of the largest magnitude (INT8's error is relative to that)."""
+    return bool(((int8 - exact).abs().max() <= share * exact.abs().max()).item())
+
+
+def _heads(model, model_dir, kind):
+    """Heads of a kind whose every matrix is random (so that each one's INT8 error shows)."""
+    if kind != "attention":
+        return init_heads(model, model_dir, num_heads=3, head_input="hidden+token", init_std=0.3, seed=2,
+                          head_kind=kind)
+    block = init_draft_block(model, model_dir, num_heads=3, seed=2)
+    gen = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for linear in (m for m in block.modules() if isinstance(m, torch.nn.Linear)):
+            linear.weight.copy_(torch.randn(linear.weight.shape, generator=gen) * linear.in_features ** -0.5)
+    return block
+
+
+@pytest.mark.parametrize("shape", [(1, 576), (8, 576), (2, 3, 64)])
+def test_an_int8_linear_multiplies_as_its_weight_does_within_int8s_error(shape):
+    from vllm_mtpspec.quant.int8_dynamic import Int8Linear
+
+    gen = torch.Generator().manual_seed(0)
+    linear = torch.nn.Linear(shape[-1], 300, bias=True)
+    with torch.no_grad():
+        linear.weight.copy_(torch.randn(300, shape[-1], generator=gen) * 0.05)
+    x = torch.randn(*shape, generator=gen)
+    int8 = Int8Linear.from_linear(linear)
+    y, exact = int8(x), linear(x).detach()
+    assert y.shape == exact.shape and y.dtype == x.dtype
+    assert _close(y, exact, 0.03)
+    assert not torch.equal(y, exact)  # it really is the INT8 product
+    rows = Int8Linear.from_weight(linear.weight)
+    assert _close(rows(x), x @ linear.weight.detach().T, 0.03)
+
+
+@pytest.mark.parametrize("kind", ["parallel", "sequential", "attention"])
+def test_int8_heads_draft_what_their_fp32_form_drafts_where_the_choice_is_clear(tiny_model, tiny_model_dir, kind):
+    from vllm_mtpspec.quant.int8_dynamic import Int8Linear, int8_linears
+
+    heads = _heads(tiny_model, tiny_model_dir, kind).eval()
+    int8 = copy.deepcopy(heads)
+    linears = [m for m in int8.modules() if type(m) is torch.nn.Linear]
+    assert int8_linears(int8) == len(linears) > 0
+    assert not any(type(m) is torch.nn.Linear for m in int8.modules())
+    assert sum(isinstance(m, Int8Linear) for m in int8.modules()) == len(linears)
+    embed = tiny_model.get_input_embeddings()
+    weight = tiny_model.get_output_embeddings().weight.detach()
+    gen = torch.Generator().manual_seed(1)
+    hidden, tokens = torch.randn(16, 64, generator=gen), torch.randint(0, 256, (16,), generator=gen)
+    with torch.no_grad():
+        if kind == "attention":
+            def draft(module):
+                caches = [module.empty_cache() for _ in range(16)]
+                newest = torch.cat(module.extend_many(caches, list(hidden[:, None]), list(embed(tokens)[:, None])))
+                return module.draft_chains(caches, newest, 3, lambda x: x @ weight.T, embed)
+        else:
+            def draft(module):
+                return module.draft_logits(hidden, embed(tokens), 3, lambda x: x @ weight.T, embed)
+        exact, approximate = draft(heads), draft(int8)
+    # The block's depths feed one another's outputs through whole layers: errors compound.
+    assert _close(approximate, exact, 0.12 if kind == "attention" else 0.05)
+    # Where fp32's top-1 leads its runner-up clearly, INT8 drafts the same token.
+    top2 = exact.topk(2, -1).values
+    clear = (top2[..., 0] - top2[..., 1]) > 0.1 * exact.abs().amax(-1)
+    assert clear.sum() >= 8
+    assert torch.equal(approximate.argmax(-1)[clear], exact.argmax(-1)[clear])
+
+
+def test_int8_drafting_is_refused_off_the_cpu_and_for_int2_heads_naming_the_field():
+    from vllm_mtpspec.vllm.platform_defaults import int8_drafting
+
+    assert int8_drafting("int8", torch.device("cpu"), heads_dir="h", quantized=False) is True
+    assert int8_drafting("auto", torch.device("cuda"), heads_dir="h", quantized=False) is False
+    with pytest.raises(ConfigError, match="draft_dtype='int8': .*CPU only.*cuda.*use draft_dtype='auto'"):
+        int8_drafting("int8", torch.device("cuda"), heads_dir="h", quantized=False)
+    with pytest.raises(ConfigError, match="draft_dtype='int8'.*h/config.json holds INT2 heads"):
+        int8_drafting("int8", torch.device("cpu"), heads_dir="h", quantized=True)
+
+
+@pytest.mark.parametrize("kind", ["parallel", "attention"])
+def test_the_proposer_drafts_with_int8_matrices_when_asked(tiny_model, tiny_model_dir, tmp_path, kind):
+    from vllm_mtpspec.quant.int8_dynamic import Int8Linear
+
+    heads = _heads(tiny_model, tiny_model_dir, kind)
+    heads_dir = save_heads(heads.with_draft_vocab(torch.arange(0, 256, 2)), tmp_path / kind)
+    p = _loaded_proposer(tiny_model, tiny_model_dir, heads_dir, "int8")
+    assert p.int8_drafts and p.draft_dtype == torch.float32
+    assert isinstance(p._lm_head, Int8Linear)
+    assert not any(type(m) is torch.nn.Linear for m in p.heads.modules())

@@ -651,15 +651,17 @@ def test_fixed_shape_trees_of_sequential_heads_are_refused_at_start_up(model_dir
                                              "tree": "consensus"})
 
 
-@pytest.mark.parametrize("draft_dtype", ["bfloat16", "model"])
+@pytest.mark.parametrize("draft_dtype", ["bfloat16", "model", "int8"])
 def test_the_draft_dtype_changes_the_drafts_never_the_output(model_dir, heads_dir, baseline, draft_dtype):
-    """The heads draft in bf16 (or the model's fp32); the target verifies in fp32."""
+    """The heads draft in bf16, the model's fp32 or INT8; the target verifies in fp32."""
     llm = build(model_dir, speculative_config={"method": "mtpspec", "model": str(heads_dir), "num_speculative_tokens": 3,
                                                "prompt_lookup_max": 0, "draft_dtype": draft_dtype})
     outputs = greedy(llm)
     metrics = spec_metrics(llm)
-    dtypes = llm.collective_rpc(lambda worker: str(worker.model_runner.drafter.draft_dtype))
+    drafting = llm.collective_rpc(lambda worker: f"{worker.model_runner.drafter.draft_dtype} "
+                                                 f"int8={worker.model_runner.drafter.int8_drafts}")
     close(llm)
-    assert dtypes == [{"bfloat16": "torch.bfloat16", "model": "torch.float32"}[draft_dtype]]
+    assert drafting == [{"bfloat16": "torch.bfloat16 int8=False", "model": "torch.float32 int8=False",
+                         "int8": "torch.float32 int8=True"}[draft_dtype]]
     assert outputs == baseline
     assert metrics["vllm:spec_decode_num_accepted_tokens"] > 0

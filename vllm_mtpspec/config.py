@@ -27,9 +27,10 @@ TREE_PRESETS = ("chain", "consensus", "static", "dynamic")
 DRAFT_SIZES = ("fixed", "learned", "planned")
 PACE_COHORTS = ("never", "sampled", "always")
 # The dtype the heads draft in: "auto" (the platform's choice, platform_defaults.py),
-# "model" (the served model's dtype), or a dtype. Only the drafts depend on it: the
-# target verifies them in its own dtype, so the output does not.
-DRAFT_DTYPES = ("auto", "model", "bfloat16", "float16", "float32")
+# "model" (the served model's dtype), a dtype, or "int8" (the heads' matrices and the draft
+# vocabulary's rows in INT8 on the CPU, the rest in fp32: quant/int8_dynamic.py). Only the
+# drafts depend on it: the target verifies them in its own dtype, so the output does not.
+DRAFT_DTYPES = ("auto", "model", "bfloat16", "float16", "float32", "int8")
 
 
 class ConfigError(ValueError):
@@ -270,7 +271,8 @@ class SpecOptions:
     prompt_lookup_min: int = 2
     # What the heads (and the draft vocabulary's LM-head rows) compute in (DRAFT_DTYPES).
     # At batch 1 drafting reads every head weight per step: on a CPU with native bf16 an
-    # fp32 model's heads drafted 3-4x faster in bf16 (benchmarks/RESULTS.md).
+    # fp32 model's heads drafted 3-4x faster in bf16 (benchmarks/RESULTS.md); "int8" reads
+    # a quarter of fp32's bytes on any x86 CPU.
     draft_dtype: str = "auto"
 
     def __post_init__(self) -> None:

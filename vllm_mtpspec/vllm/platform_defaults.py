@@ -65,8 +65,27 @@ def draft_dtype(asked: str, model_dtype: torch.dtype, *, quantized: bool) -> tor
 
     if asked == "model":
         return model_dtype
+    if asked == "int8":  # the matrices (int8_drafting); norms and attention stay in fp32
+        return torch.float32
     if asked != "auto":
         return getattr(torch, asked)
     if current_platform.is_cpu() and model_dtype == torch.float32 and not quantized and cpu_has_native_bf16():
         return torch.bfloat16
     return model_dtype
+
+
+def int8_drafting(asked: str, device: torch.device, *, heads_dir: str, quantized: bool) -> bool:
+    """Whether the heads' matrices draft in INT8 (SpecOptions.draft_dtype "int8"); refuses,
+    at start-up, where they cannot."""
+    from vllm_mtpspec.config import ConfigError
+    from vllm_mtpspec.quant.int8_dynamic import int8_blocker
+
+    if asked != "int8":
+        return False
+    if quantized:
+        raise ConfigError(f"draft_dtype='int8' was asked, and {heads_dir}/config.json holds INT2 heads "
+                          "(`quantization`), which draft through their own kernel: leave draft_dtype at 'auto', "
+                          "or serve the heads' full-precision copy")
+    if (reason := int8_blocker(device)) is not None:
+        raise ConfigError(f"draft_dtype='int8': {reason}; use draft_dtype='auto'")
+    return True

@@ -44,10 +44,11 @@ from vllm_mtpspec.config import ConfigError
 from vllm_mtpspec.draft_planner import Candidate, DraftPlanner
 from vllm_mtpspec.draft_vocab import SlicedLMHead
 from vllm_mtpspec.lookup import lookup_draft
+from vllm_mtpspec.quant.int8_dynamic import Int8Linear, int8_linears
 from vllm_mtpspec.tree import DraftTreeBuilder, TreeShape, chain_tree
 from vllm_mtpspec.vllm.fallback import log_fallback_once
 from vllm_mtpspec.vllm.logs import logger
-from vllm_mtpspec.vllm.platform_defaults import (default_backoff_start, default_draft_size, draft_dtype,
+from vllm_mtpspec.vllm.platform_defaults import (default_backoff_start, default_draft_size, draft_dtype, int8_drafting,
                                                   platform_blocker, sampled_chains_verifier)
 from vllm_mtpspec.vllm.options import check_against_model, options_from_additional_config
 from vllm_mtpspec.vllm.parallel import RankZeroDecision, tensor_parallel_group
@@ -85,6 +86,8 @@ class MTPSpecProposer:
         self.tied_target = bool(getattr(hf_config, "tie_word_embeddings", False))
         self.dtype = model_config.dtype
         self.device = torch.device(vllm_config.device_config.device)
+        self.int8_drafts = int8_drafting(self.options.draft_dtype, self.device, heads_dir=self.options.heads,
+                                         quantized=self.heads_config.quantization is not None)
         self.heads = None  # loaded with the target, in load_model
         self._chain_builder: DraftTreeBuilder | None = None  # built in load_model
         self._tree_builder: DraftTreeBuilder | None = None
@@ -178,6 +181,8 @@ class MTPSpecProposer:
         self.draft_dtype = draft_dtype(self.options.draft_dtype, self.dtype,
                                        quantized=self.heads_config.quantization is not None)
         self.heads = load_heads(self.options.heads, device=self.device, dtype=self.draft_dtype)
+        if self.int8_drafts:
+            int8_linears(self.heads)
         self._temperatures = self.heads.temperatures.to(self.device)
         # Through the target's modules, never its weights: on the CPU they are repacked.
         # The heads' states reach the target's LM head in the model's dtype.
@@ -191,7 +196,8 @@ class MTPSpecProposer:
             self._draft_ids = self.heads.draft_vocab.to(self.device)
             rows = draft_vocab_lm_head_rows(self._draft_ids, embed=self._embed, tied_target=self.tied_target,
                                             model=self.model_path, heads_dir=self.options.heads)
-            self._lm_head = SlicedLMHead(rows.to(self.device, self.draft_dtype))
+            self._lm_head = (Int8Linear.from_weight(rows.to(self.device)) if self.int8_drafts
+                             else SlicedLMHead(rows.to(self.device, self.draft_dtype)))
         options = self.options
         builder = dict(min_path_prob=options.min_path_prob, dynamic_top_k=options.dynamic_top_k,
                        rank_accuracy=options.head_rank_accuracy or self.heads.config.rank_accuracy)
@@ -201,7 +207,8 @@ class MTPSpecProposer:
                                                   max_nodes=self.max_tree_budget, **builder)
         logger.info("mtpspec: loaded %s heads (%s, %s, drafting among %s tokens) from %s; drafting %s of depth %d",
                     self.heads.num_heads, "tied" if self.heads.config.tied else "untied",
-                    "int2" if self.heads.is_quantized else f"drafting in {self.draft_dtype}",
+                    "int2" if self.heads.is_quantized else
+                    "drafting in int8" if self.int8_drafts else f"drafting in {self.draft_dtype}",
                     self.heads.config.draft_vocab_size or f"all {self.heads.config.vocab_size}", self.options.heads,
                     self.options.tree if self.uses_trees else "chains", self.depth)
 

@@ -1,0 +1,88 @@
+"""Drafting in INT8 on the CPU: the heads' matrices and the draft vocabulary's LM-head rows
+held as INT8, one scale per output row, and multiplied by fbgemm's dynamic-INT8 GEMM,
+which quantizes each call's input on the fly (one scale per call).
+
+At small batches a draft step reads every head weight and every LM-head row for a handful
+of rows of input: on a CPU it is bound by memory bandwidth, and INT8 reads a quarter of
+fp32's bytes. Drafts change a little (a logit moves by about 1% of the largest); the
+output does not, since the target alone verifies them.
+
+The inputs are quantized to 7 bits (`reduce_range`): on CPUs without VNNI fbgemm adds
+pairs of 8-bit products in 16-bit registers, which saturate at full range (measured:
+5-9% error in a logit, against 1.3% at 7 bits).
+
+fbgemm reaches PyTorch through its quantized tensors, which PyTorch deprecates but the
+torch the CPU build pins still has; `int8_blocker()` says whether this one does.
+"""
+from __future__ import annotations
+
+import warnings
+
+import torch
+from torch import nn
+
+_REDUCE_RANGE = True
+
+
+def _packed(weight: torch.Tensor, bias: torch.Tensor | None):
+    """fbgemm's prepacked form of weight [out, in] with one symmetric scale per row."""
+    weight = weight.detach().float().contiguous()
+    scales = (weight.abs().amax(1) / 127.0).clamp_min(1e-12).double()
+    zero_points = torch.zeros(weight.shape[0], dtype=torch.int64)
+    with warnings.catch_warnings():
+        # The deprecation of quantized tensors: int8_blocker() checks that they still exist.
+        warnings.simplefilter("ignore")
+        quantized = torch.quantize_per_channel(weight, scales, zero_points, 0, torch.qint8)
+        return torch.ops.quantized.linear_prepack(quantized, None if bias is None else bias.detach().float())
+
+
+class Int8Linear(nn.Linear):
+    """An nn.Linear that multiplies by an INT8 copy of its weight.
+
+    It keeps its floating-point weight and bias, unread while drafting, so that everything
+    that asks a layer for its shape, dtype or device gets the answer it always did."""
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear) -> "Int8Linear":
+        out = cls.__new__(cls)
+        nn.Module.__init__(out)
+        out.in_features, out.out_features = linear.in_features, linear.out_features
+        out.weight, out.bias = linear.weight, linear.bias
+        out._int8 = _packed(linear.weight, linear.bias)
+        return out
+
+    @classmethod
+    def from_weight(cls, weight: torch.Tensor) -> "Int8Linear":
+        """x -> x @ weight.T (no bias): an LM head's rows."""
+        linear = nn.Linear(weight.shape[1], weight.shape[0], bias=False, device="meta")
+        linear.weight = nn.Parameter(weight.detach(), requires_grad=False)
+        return cls.from_linear(linear)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, self.in_features).float().contiguous()
+        y = torch.ops.quantized.linear_dynamic(flat, self._int8, _REDUCE_RANGE)
+        return y.view(*x.shape[:-1], self.out_features).to(x.dtype)
+
+
+def int8_linears(module: nn.Module) -> int:
+    """Replaces every nn.Linear inside module (in place) by its Int8Linear; returns how many."""
+    replaced = 0
+    for name, child in list(module.named_modules()):
+        if type(child) is nn.Linear:
+            parent, _, attribute = name.rpartition(".")
+            setattr(module.get_submodule(parent), attribute, Int8Linear.from_linear(child))
+            replaced += 1
+    return replaced
+
+
+def int8_blocker(device: torch.device | str) -> str | None:
+    """Why the heads cannot draft in INT8 here (None when they can)."""
+    if torch.device(device).type != "cpu":
+        return f"its kernels (fbgemm's dynamic-INT8 GEMM) run on the CPU only, and this engine runs on {device}"
+    if "fbgemm" not in torch.backends.quantized.supported_engines:
+        return f"this torch ({torch.__version__}) was built without fbgemm"
+    try:
+        Int8Linear.from_weight(torch.ones(2, 4))(torch.ones(1, 4))
+    except (RuntimeError, AttributeError) as error:
+        return f"this torch ({torch.__version__}) lacks fbgemm's dynamic-INT8 linear ({error})"
+    return None
