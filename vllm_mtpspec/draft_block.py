@@ -37,6 +37,18 @@ from vllm_mtpspec.config import BlockConfig, HeadsConfig
 from vllm_mtpspec.heads import DraftModule
 
 
+def _at_least_fp32(dtype: torch.dtype) -> torch.dtype:
+    """What norms, softmaxes and rotary angles compute in: fp32, or the input's dtype where
+    it is wider. (A float64 block computing them in fp32 would carry fp32's error, and fp32
+    exp, rsqrt and cos of one value can differ in the last bit between a vectorised and a
+    scalar path, so training's and drafting's differently shaped passes would disagree.)"""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _softmax(scores: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return torch.softmax(scores.to(_at_least_fp32(scores.dtype)), -1).to(dtype)
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
@@ -44,15 +56,16 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x32 = x.float()
-        return (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype) * self.weight.to(x.dtype)
+        wide = x.to(_at_least_fp32(x.dtype))
+        return (wide * torch.rsqrt(wide.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype) * self.weight.to(x.dtype)
 
 
 def rope(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
     """x [..., T, hd] rotated by the angles of positions [..., T] (Llama's rotate-half form)."""
     half = x.shape[-1] // 2
-    inv_freq = 1.0 / theta ** (torch.arange(0, half, device=x.device, dtype=torch.float32) / half)
-    angles = positions.to(torch.float32).unsqueeze(-1) * inv_freq                  # [..., T, hd/2]
+    precision = _at_least_fp32(x.dtype)
+    inv_freq = 1.0 / theta ** (torch.arange(0, half, device=x.device, dtype=precision) / half)
+    angles = positions.to(precision).unsqueeze(-1) * inv_freq                      # [..., T, hd/2]
     cos, sin = torch.cos(angles).to(x.dtype), torch.sin(angles).to(x.dtype)
     cos, sin = torch.cat([cos, cos], -1), torch.cat([sin, sin], -1)
     x1, x2 = x[..., :half], x[..., half:]
@@ -168,7 +181,7 @@ class DraftBlock(DraftModule):
         grouped = q.reshape(b, kv, (h // kv) * n, hd)                 # query head kv * G + g: group kv
         scores = grouped @ keys.transpose(-1, -2) / math.sqrt(hd)      # [B, KV, G * n, L]
         mask = seen[:, None, None].expand(b, kv, h // kv, n, seen.shape[-1]).reshape(b, kv, -1, seen.shape[-1])
-        weights = torch.softmax(scores.masked_fill(~mask, float("-inf")).float(), -1).to(q.dtype)
+        weights = _softmax(scores.masked_fill(~mask, float("-inf")), q.dtype)
         return (weights @ values).reshape(b, h, n, hd)
 
     def _expand_kv(self, kv: torch.Tensor) -> torch.Tensor:
@@ -202,7 +215,7 @@ class DraftBlock(DraftModule):
         causal = torch.ones(t, t, dtype=torch.bool, device=features.device).tril()
         mask = (causal & valid[:, None, :])[:, None]                           # [B, 1, T, T]
         scores = (q @ context_k.transpose(-1, -2) * scale).masked_fill(~mask, float("-inf"))
-        g = self._finish(x, torch.softmax(scores.float(), -1).to(q.dtype) @ context_v)
+        g = self._finish(x, _softmax(scores, q.dtype) @ context_v)
         outputs = [g]
         chain_k, chain_v = [], []   # the entries of depths 2.. of each position's own chain
         for depth in range(2, len(token_embeds) + 1):
@@ -212,7 +225,7 @@ class DraftBlock(DraftModule):
             chain_v.append(self._expand_kv(v))
             context_scores = (q @ context_k.transpose(-1, -2) * scale).masked_fill(~mask, float("-inf"))
             own_scores = torch.stack([(q * ck).sum(-1) for ck in chain_k], -1) * scale  # [B, H, T, depth-1]
-            weights = torch.softmax(torch.cat([context_scores, own_scores], -1).float(), -1).to(q.dtype)
+            weights = _softmax(torch.cat([context_scores, own_scores], -1), q.dtype)
             attended = weights[..., :t] @ context_v + (weights[..., t:, None] * torch.stack(chain_v, -2)).sum(-2)
             g = self._finish(x, attended)
             outputs.append(g)
