@@ -10,7 +10,7 @@ from vllm_mtpspec.checkpoint import save_heads
 from vllm_mtpspec.config import ConfigError, SpecOptions
 from vllm_mtpspec.heads_init import init_draft_block, init_heads
 from vllm_mtpspec.vllm import platform_defaults
-from vllm_mtpspec.vllm.platform_defaults import draft_dtype
+from vllm_mtpspec.vllm.platform_defaults import draft_dtype, int8_drafting
 
 
 def test_a_draft_dtype_outside_the_choices_is_refused_naming_them():
@@ -27,6 +27,12 @@ def test_auto_drafts_an_fp32_models_heads_in_bf16_only_where_the_cpu_has_it(monk
     assert draft_dtype("auto", torch.bfloat16, quantized=False) == torch.bfloat16
     assert draft_dtype("model", torch.float32, quantized=False) == torch.float32
     assert draft_dtype("float16", torch.float32, quantized=False) == torch.float16  # asked: taken as it is
+    # Without native bf16, an fp32 model's full-precision heads draft their matrices in INT8.
+    cpu = torch.device("cpu")
+    assert int8_drafting("auto", cpu, torch.float32, heads_dir="h", quantized=False) is not native_bf16
+    assert int8_drafting("auto", cpu, torch.float32, heads_dir="h", quantized=True) is False
+    assert int8_drafting("auto", cpu, torch.bfloat16, heads_dir="h", quantized=False) is False
+    assert int8_drafting("auto", torch.device("cuda"), torch.float32, heads_dir="h", quantized=False) is False
 
 
 def _loaded_proposer(tiny_model, tiny_model_dir, heads_dir, draft_dtype: str):
@@ -137,14 +143,12 @@ def test_int8_heads_draft_what_their_fp32_form_drafts_where_the_choice_is_clear(
 
 
 def test_int8_drafting_is_refused_off_the_cpu_and_for_int2_heads_naming_the_field():
-    from vllm_mtpspec.vllm.platform_defaults import int8_drafting
-
-    assert int8_drafting("int8", torch.device("cpu"), heads_dir="h", quantized=False) is True
-    assert int8_drafting("auto", torch.device("cuda"), heads_dir="h", quantized=False) is False
+    fp32 = torch.float32
+    assert int8_drafting("int8", torch.device("cpu"), fp32, heads_dir="h", quantized=False) is True
     with pytest.raises(ConfigError, match="draft_dtype='int8': .*CPU only.*cuda.*use draft_dtype='auto'"):
-        int8_drafting("int8", torch.device("cuda"), heads_dir="h", quantized=False)
+        int8_drafting("int8", torch.device("cuda"), fp32, heads_dir="h", quantized=False)
     with pytest.raises(ConfigError, match="draft_dtype='int8'.*h/config.json holds INT2 heads"):
-        int8_drafting("int8", torch.device("cpu"), heads_dir="h", quantized=True)
+        int8_drafting("int8", torch.device("cpu"), fp32, heads_dir="h", quantized=True)
 
 
 @pytest.mark.parametrize("kind", ["parallel", "attention"])

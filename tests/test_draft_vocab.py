@@ -103,7 +103,7 @@ def test_the_proposer_sends_target_ids_for_draft_vocabulary_guesses(tiny_model, 
     heads_dir = save_heads(heads.with_draft_vocab(ids), tmp_path / "dv")
     config = SimpleNamespace(
         additional_config={"mtpspec": {"heads": str(heads_dir), "min_path_prob": 0.0, "prompt_lookup_max": 0,
-                                       "tree": "consensus", "max_tree_nodes": 8}},
+                                       "tree": "consensus", "max_tree_nodes": 8, "draft_dtype": "model"}},
         model_config=SimpleNamespace(model=str(tiny_model_dir), hf_text_config=tiny_model.config, dtype=torch.float32),
         speculative_config=SimpleNamespace(num_speculative_tokens=8),
         device_config=SimpleNamespace(device="cpu"),

@@ -28,9 +28,11 @@ def make_proposer(tiny_model, tiny_model_dir, tmp_path):
 
     def make(max_drafts=3, **options):
         # The fixed back-off unless a test asks for another rule: these tests pin how much is drafted.
+        # Drafts in the model's fp32, so that they equal the heads' own on every CPU (`auto`
+        # drafts in bf16 or INT8 on some).
         options = {"heads": str(heads_dir), "min_path_prob": 0.0, "adaptive_draft_size": False,
-                   "batch_backoff_start": 4, **({} if options.get("adaptive_draft_size") else {"draft_size": "fixed"}),
-                   **options}
+                   "draft_dtype": "model", "batch_backoff_start": 4,
+                   **({} if options.get("adaptive_draft_size") else {"draft_size": "fixed"}), **options}
         config = SimpleNamespace(
             additional_config={"mtpspec": options},
             model_config=SimpleNamespace(model=str(tiny_model_dir), hf_text_config=tiny_model.config,

@@ -226,7 +226,7 @@ def proposer_for(tiny_model, tiny_model_dir, heads_dir, max_drafts: int = 3, **o
 
     config = SimpleNamespace(
         additional_config={"mtpspec": {"heads": str(heads_dir), "min_path_prob": 0.0, "prompt_lookup_max": 0,
-                                       **options}},
+                                       "draft_dtype": "model", **options}},
         model_config=SimpleNamespace(model=str(tiny_model_dir), hf_text_config=tiny_model.config, dtype=torch.float32),
         speculative_config=SimpleNamespace(num_speculative_tokens=max_drafts),
         device_config=SimpleNamespace(device="cpu"),

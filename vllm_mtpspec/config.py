@@ -272,7 +272,7 @@ class SpecOptions:
     # What the heads (and the draft vocabulary's LM-head rows) compute in (DRAFT_DTYPES).
     # At batch 1 drafting reads every head weight per step: on a CPU with native bf16 an
     # fp32 model's heads drafted 3-4x faster in bf16 (benchmarks/RESULTS.md); "int8" reads
-    # a quarter of fp32's bytes on any x86 CPU.
+    # a quarter of fp32's bytes, and is `auto`'s choice on CPUs without native bf16.
     draft_dtype: str = "auto"
 
     def __post_init__(self) -> None:

@@ -64,8 +64,9 @@ def add_parser(sub) -> None:
                         "of 32 requests or more); one row each")
     p.add_argument("--draft-dtype", default="auto",
                    help="auto, model, bfloat16, float16, float32, int8 or a comma-separated mix: the dtype mtpspec's "
-                        "heads draft in (auto: bf16 for an fp32 model on a CPU with native bf16, else the model's; "
-                        "int8: the heads' matrices in INT8 through fbgemm, CPU only); one row each")
+                        "heads draft in (auto: bf16 for an fp32 model on a CPU with native bf16, int8 on other CPUs, "
+                        "else the model's; int8: the heads' matrices in INT8 through fbgemm, CPU only); one row "
+                        "each")
     p.add_argument("--batch-sizes", default="1,4,16,64")
     p.add_argument("--temperatures", default="0,0.7", help="0 is greedy")
     p.add_argument("--max-new-tokens", type=int, default=64)

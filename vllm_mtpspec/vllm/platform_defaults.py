@@ -60,7 +60,8 @@ def cpu_has_native_bf16() -> bool:
 def draft_dtype(asked: str, model_dtype: torch.dtype, *, quantized: bool) -> torch.dtype:
     """The dtype the heads draft in (SpecOptions.draft_dtype). "auto": bf16 for an fp32
     model's full-precision heads on a CPU with native bf16 (drafting at small batches is
-    bound by reading the heads' weights, which bf16 halves), else the model's dtype."""
+    bound by reading the heads' weights, which bf16 halves), else the model's dtype (on
+    other CPUs their matrices then draft in INT8: int8_drafting)."""
     from vllm.platforms import current_platform
 
     if asked == "model":
@@ -74,12 +75,18 @@ def draft_dtype(asked: str, model_dtype: torch.dtype, *, quantized: bool) -> tor
     return model_dtype
 
 
-def int8_drafting(asked: str, device: torch.device, *, heads_dir: str, quantized: bool) -> bool:
+def int8_drafting(asked: str, device: torch.device, model_dtype: torch.dtype, *, heads_dir: str,
+                  quantized: bool) -> bool:
     """Whether the heads' matrices draft in INT8 (SpecOptions.draft_dtype "int8"); refuses,
-    at start-up, where they cannot."""
+    at start-up, where they cannot. "auto": an fp32 model's full-precision heads on a CPU
+    without native bf16, where fp32 drafting took 10-13% of a step at batches 1 and 2
+    and INT8 reads a quarter of its bytes (benchmarks/RESULTS.md)."""
     from vllm_mtpspec.config import ConfigError
     from vllm_mtpspec.quant.int8_dynamic import int8_blocker
 
+    if asked == "auto":
+        return (device.type == "cpu" and model_dtype == torch.float32 and not quantized
+                and not cpu_has_native_bf16() and int8_blocker(device) is None)
     if asked != "int8":
         return False
     if quantized:

@@ -86,7 +86,8 @@ class MTPSpecProposer:
         self.tied_target = bool(getattr(hf_config, "tie_word_embeddings", False))
         self.dtype = model_config.dtype
         self.device = torch.device(vllm_config.device_config.device)
-        self.int8_drafts = int8_drafting(self.options.draft_dtype, self.device, heads_dir=self.options.heads,
+        self.int8_drafts = int8_drafting(self.options.draft_dtype, self.device, self.dtype,
+                                         heads_dir=self.options.heads,
                                          quantized=self.heads_config.quantization is not None)
         self.heads = None  # loaded with the target, in load_model
         self._chain_builder: DraftTreeBuilder | None = None  # built in load_model
