@@ -83,6 +83,6 @@ def int8_blocker(device: torch.device | str) -> str | None:
         return f"this torch ({torch.__version__}) was built without fbgemm"
     try:
         Int8Linear.from_weight(torch.ones(2, 4))(torch.ones(1, 4))
-    except (RuntimeError, AttributeError) as error:
+    except (RuntimeError, AttributeError, NotImplementedError) as error:
         return f"this torch ({torch.__version__}) lacks fbgemm's dynamic-INT8 linear ({error})"
     return None
