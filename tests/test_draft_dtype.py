@@ -1,11 +1,11 @@
 """The dtype the heads draft in: the platform's choice or the user's, applied to the heads
 and the draft vocabulary's LM-head rows, never to what the target verifies."""
 import copy
-from types import SimpleNamespace
 
 import pytest
 import torch
 
+from tests.proposers import cpu_proposer
 from vllm_mtpspec.checkpoint import save_heads
 from vllm_mtpspec.config import ConfigError, SpecOptions
 from vllm_mtpspec.heads_init import init_draft_block, init_heads
@@ -37,19 +37,8 @@ def test_auto_drafts_an_fp32_models_heads_in_bf16_only_where_the_cpu_has_it(monk
 
 def _loaded_proposer(tiny_model, tiny_model_dir, heads_dir, draft_dtype: str):
     """The proposer of a chain of 3 over the tiny model, heads loaded, drafting in draft_dtype."""
-    from vllm_mtpspec.vllm.proposer import MTPSpecProposer
-
-    config = SimpleNamespace(
-        additional_config={"mtpspec": {"heads": str(heads_dir), "min_path_prob": 0.0, "prompt_lookup_max": 0,
-                                       "draft_dtype": draft_dtype}},
-        model_config=SimpleNamespace(model=str(tiny_model_dir), hf_text_config=tiny_model.config, dtype=torch.float32),
-        speculative_config=SimpleNamespace(num_speculative_tokens=3),
-        device_config=SimpleNamespace(device="cpu"),
-    )
-    p = MTPSpecProposer(config)
-    p.load_model(SimpleNamespace(compute_logits=tiny_model.get_output_embeddings(),
-                                 embed_input_ids=tiny_model.get_input_embeddings()))
-    return p
+    return cpu_proposer(tiny_model, tiny_model_dir, {"heads": str(heads_dir), "min_path_prob": 0.0,
+                                                     "prompt_lookup_max": 0, "draft_dtype": draft_dtype})
 
 
 @pytest.mark.parametrize("kind", ["parallel", "sequential"])

@@ -1,13 +1,13 @@
 """Heads with a draft vocabulary: the N most frequent tokens, an id map stored with the
 heads, guesses mapped back to the target's ids, output unchanged."""
 import json
-from types import SimpleNamespace
 
 import numpy as np
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from tests.proposers import cpu_proposer
 from vllm_mtpspec.checkpoint import HeadsError, load_heads, save_heads
 from vllm_mtpspec.config import ConfigError, HeadsConfig, SpecOptions
 from vllm_mtpspec.draft_vocab import coverage, most_frequent_tokens, to_target_vocab
@@ -97,20 +97,10 @@ def test_greedy_output_with_a_draft_vocabulary_equals_the_model_alone(heads, tin
 
 
 def test_the_proposer_sends_target_ids_for_draft_vocabulary_guesses(tiny_model, tiny_model_dir, heads, tmp_path):
-    from vllm_mtpspec.vllm.proposer import MTPSpecProposer
-
     ids = torch.randperm(256, generator=torch.Generator().manual_seed(1))[:96]
     heads_dir = save_heads(heads.with_draft_vocab(ids), tmp_path / "dv")
-    config = SimpleNamespace(
-        additional_config={"mtpspec": {"heads": str(heads_dir), "min_path_prob": 0.0, "prompt_lookup_max": 0,
-                                       "tree": "consensus", "max_tree_nodes": 8, "draft_dtype": "model"}},
-        model_config=SimpleNamespace(model=str(tiny_model_dir), hf_text_config=tiny_model.config, dtype=torch.float32),
-        speculative_config=SimpleNamespace(num_speculative_tokens=8),
-        device_config=SimpleNamespace(device="cpu"),
-    )
-    p = MTPSpecProposer(config)
-    p.load_model(SimpleNamespace(compute_logits=tiny_model.get_output_embeddings(),
-                                 embed_input_ids=tiny_model.get_input_embeddings()))
+    p = cpu_proposer(tiny_model, tiny_model_dir, {"heads": str(heads_dir), "min_path_prob": 0.0, "prompt_lookup_max": 0,
+                                                  "tree": "consensus", "max_tree_nodes": 8}, max_drafts=8)
     hidden = torch.randn(2, 64)
     p.capture_step(hidden, None, ["chain", "tree"], tree_blocker=["penalties", None].__getitem__)
     drafts = p.propose([[1], [2]])

@@ -5,6 +5,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from tests.proposers import cpu_proposer
 from vllm_mtpspec.checkpoint import save_heads
 from vllm_mtpspec.heads_init import init_heads
 from vllm_mtpspec.vllm.rows import last_sampled_rows
@@ -21,30 +22,15 @@ def test_rows_without_and_with_drafts():
 
 @pytest.fixture
 def make_proposer(tiny_model, tiny_model_dir, tmp_path):
-    from vllm_mtpspec.vllm.proposer import MTPSpecProposer
-
     heads = init_heads(tiny_model, tiny_model_dir, num_heads=3, init_std=0.5, seed=3)
     heads_dir = save_heads(heads, tmp_path / "heads")
 
     def make(max_drafts=3, **options):
         # The fixed back-off unless a test asks for another rule: these tests pin how much is drafted.
-        # Drafts in the model's fp32, so that they equal the heads' own on every CPU (`auto`
-        # drafts in bf16 or INT8 on some).
         options = {"heads": str(heads_dir), "min_path_prob": 0.0, "adaptive_draft_size": False,
-                   "draft_dtype": "model", "batch_backoff_start": 4,
+                   "batch_backoff_start": 4,
                    **({} if options.get("adaptive_draft_size") else {"draft_size": "fixed"}), **options}
-        config = SimpleNamespace(
-            additional_config={"mtpspec": options},
-            model_config=SimpleNamespace(model=str(tiny_model_dir), hf_text_config=tiny_model.config,
-                                         dtype=torch.float32),
-            speculative_config=SimpleNamespace(num_speculative_tokens=max_drafts),
-            device_config=SimpleNamespace(device="cpu"),
-        )
-        p = MTPSpecProposer(config)
-        target = SimpleNamespace(compute_logits=tiny_model.get_output_embeddings(),
-                                 embed_input_ids=tiny_model.get_input_embeddings())
-        p.load_model(target)
-        return p, heads, tiny_model
+        return cpu_proposer(tiny_model, tiny_model_dir, options, max_drafts=max_drafts), heads, tiny_model
 
     return make
 

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from tests.stats import TRIALS, assert_follows
+from tests.proposers import cpu_proposer
 from training.losses import mtp_losses
 from training.modules import PosthocModule
 from vllm_mtpspec.checkpoint import HeadsError, load_heads, save_heads
@@ -222,16 +223,8 @@ def test_fixed_shape_trees_of_sequential_heads_are_refused(tiny_model, random_se
 
 
 def proposer_for(tiny_model, tiny_model_dir, heads_dir, max_drafts: int = 3, **options):
-    from vllm_mtpspec.vllm.proposer import MTPSpecProposer
-
-    config = SimpleNamespace(
-        additional_config={"mtpspec": {"heads": str(heads_dir), "min_path_prob": 0.0, "prompt_lookup_max": 0,
-                                       "draft_dtype": "model", **options}},
-        model_config=SimpleNamespace(model=str(tiny_model_dir), hf_text_config=tiny_model.config, dtype=torch.float32),
-        speculative_config=SimpleNamespace(num_speculative_tokens=max_drafts),
-        device_config=SimpleNamespace(device="cpu"),
-    )
-    return MTPSpecProposer(config)
+    return cpu_proposer(tiny_model, tiny_model_dir, {"heads": str(heads_dir), "min_path_prob": 0.0,
+                                                     "prompt_lookup_max": 0, **options}, max_drafts=max_drafts)
 
 
 def test_the_proposer_sends_each_requests_own_sequential_chain_in_target_ids(tiny_model, tiny_model_dir,
@@ -240,7 +233,6 @@ def test_the_proposer_sends_each_requests_own_sequential_chain_in_target_ids(tin
     heads = random_sequential.with_draft_vocab(ids)
     p = proposer_for(tiny_model, tiny_model_dir, save_heads(heads, tmp_path / "seq-dv"))
     embed = tiny_model.get_input_embeddings()
-    p.load_model(SimpleNamespace(compute_logits=tiny_model.get_output_embeddings(), embed_input_ids=embed))
     hidden = torch.randn(2, 64)
     p.capture_step(hidden, None, ["a", "b"])
     drafts = p.propose([[1], [2]])
@@ -260,7 +252,6 @@ def test_the_proposer_sends_grown_trees_of_sequential_heads_and_chains_where_tre
     p = proposer_for(tiny_model, tiny_model_dir, save_heads(heads, tmp_path / "seq-tree"), max_drafts=6,
                      tree="dynamic", num_speculative_tokens=3, max_tree_nodes=6, dynamic_top_k=2)
     embed = tiny_model.get_input_embeddings()
-    p.load_model(SimpleNamespace(compute_logits=tiny_model.get_output_embeddings(), embed_input_ids=embed))
     hidden = torch.randn(3, 64, generator=torch.Generator().manual_seed(3))
     p.capture_step(hidden, None, ["a", "b", "c"], tree_blocker=[None, "penalties", None].__getitem__)
     drafts = p.propose([[1], [2], [3]])
