@@ -252,6 +252,23 @@ def test_clear_errors(tiny_smol_teacher, tmp_path):
         TrainConfig(mode="cotrain")
 
 
+SHIPPED_CONFIGS = Path(__file__).parents[1] / "training" / "configs"
+
+
+@pytest.mark.parametrize("path", sorted(p for p in SHIPPED_CONFIGS.rglob("*") if p.suffix in (".json", ".yaml", ".yml")),
+                         ids=lambda p: p.relative_to(SHIPPED_CONFIGS).as_posix())
+def test_every_shipped_training_config_is_one_the_job_accepts(path):
+    config = TrainConfig.from_file(path)
+    assert config.model and config.train_data
+
+
+def test_a_config_files_error_names_the_file_and_the_field(tmp_path):
+    path = tmp_path / "block.json"
+    path.write_text(json.dumps({"head_kind": "attention", "int2_group_size": 64}))
+    with pytest.raises(TrainConfigError, match=f"{path}: head_kind='attention' has no INT2 form yet: set int2_group_size"):
+        TrainConfig.from_file(path)
+
+
 def test_training_continues_from_earlier_heads_of_the_same_shape_and_model(tiny_smol_teacher, tiny_smol_student,
                                                                             tmp_path):
     from vllm_mtpspec.checkpoint import HeadsError, load_heads, save_heads

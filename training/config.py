@@ -154,7 +154,10 @@ class TrainConfig:
     @classmethod
     def from_dict(cls, raw: dict[str, Any], *, source: str = "config") -> "TrainConfig":
         reject_unknown_keys(cls, raw, source=source, error=TrainConfigError)
-        return cls(**raw)
+        try:
+            return cls(**raw)
+        except TrainConfigError as err:  # the checks in __post_init__ know the field, not the file
+            raise TrainConfigError(f"{source}: {err}") from None
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
