@@ -411,21 +411,21 @@ def test_a_batch_that_started_together_offers_the_planner_only_the_requests_behi
     assert offered_in(never, [True] * 3)[0] == [True] * 3 and never.paced_steps == 0
 
 
-def test_by_default_a_large_greedy_batch_that_started_together_is_paced(make_proposer, monkeypatch):
-    import vllm_mtpspec.vllm.proposer as proposer_module
-
+def test_by_default_a_greedy_batch_of_16_that_started_together_is_paced(make_proposer):
     p, _, model = make_proposer(draft_size="planned", batch_backoff_start=1)
     offered = []
     p.planner.plan = lambda req_ids, candidates, **k: offered.append(candidates) or [3] * len(req_ids)
 
-    def step():
-        p.capture_step(torch.randn(3, model.config.hidden_size), None, ["a", "b", "c"], decode_only=True,
-                       sampled=lambda i: False, budget=[(64, 24), (64, 20), (64, 21)].__getitem__)
-        p.propose([[1], [2], [3]])
+    def step(n: int):
+        # Every request but the first is 4 tokens behind it, more than a chain of 3.
+        budget = [(64, 24)] + [(64, 20)] * (n - 1)
+        req_ids = [f"r{i}" for i in range(n)]
+        p.capture_step(torch.randn(n, model.config.hidden_size), None, req_ids, decode_only=True,
+                       sampled=lambda i: False, budget=budget.__getitem__)
+        p.propose([[i + 1] for i in range(n)])
         return [c is not None for c in offered[-1]]
-    assert step() == [True] * 3 and p.paced_steps == 0                 # 3 greedy requests: below the size
-    monkeypatch.setattr(proposer_module, "GREEDY_PACED_FROM", 3)
-    assert step() == [False, True, True] and p.paced_steps == 1        # from the size up: paced
+    assert step(15) == [True] * 15 and p.paced_steps == 0             # 15 greedy requests: below the size
+    assert step(16) == [False] + [True] * 15 and p.paced_steps == 1   # 16: paced, the one ahead waits
 
 
 def test_pacing_asked_of_an_engine_that_does_not_plan_is_refused_at_start_up(make_proposer):

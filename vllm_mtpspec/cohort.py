@@ -26,10 +26,12 @@ from collections.abc import Sequence
 
 
 # Left unset, pace_cohorts paces sampled batches and greedy ones of at least this many
-# requests: side by side on a 2-core Xeon, greedy batches of 32 and 64 read 1.03x and
-# 1.00x of vLLM alone paced against 0.93x and 0.92x unpaced, while at 4-16 pacing was
-# level with unpaced or behind it (benchmarks/RESULTS.md).
-GREEDY_PACED_FROM = 32
+# requests (benchmarks/RESULTS.md). Side by side on a 2-core Xeon with AMX, greedy batches of
+# 32 and 64 read 1.03x and 1.00x of vLLM alone paced, against 0.93x and 0.92x unpaced; at 16
+# the two were level (0.94x, 0.95x). On a 2-core AMD EPYC with AVX2 only, greedy 16 read
+# 0.95x paced against 0.85x unpaced. Below 16, pacing was level with unpaced or behind it on
+# both CPUs (at 4: 1.05x against 1.13x on the Xeon).
+GREEDY_PACED_FROM = 16
 
 
 class CohortPacer:

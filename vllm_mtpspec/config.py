@@ -259,9 +259,9 @@ class SpecOptions:
     # made the fewest tokens draft, so that the batch ends together instead of in a tail of
     # near-empty steps (cohort.py): in batches with a sampled request ("sampled"), in every
     # such batch ("always") or never. None, wherever the planner plans: sampled batches, and
-    # greedy ones of cohort.GREEDY_PACED_FROM (32) requests or more (side by side, pacing
-    # measured ahead of unpaced on sampled batches and on greedy ones of 32-64, level or
-    # behind on greedy ones of 4-16; benchmarks/RESULTS.md).
+    # greedy ones of cohort.GREEDY_PACED_FROM (16) requests or more (side by side, pacing
+    # measured ahead of unpaced on sampled batches and on greedy ones of 16-64, level or
+    # behind on greedy ones of 4-8; benchmarks/RESULTS.md).
     pace_cohorts: str | None = None
     # Prompt lookup (lookup.py): where the context's last prompt_lookup_min..max tokens
     # occurred before, draft what followed them instead of the heads' guesses. 0: off.

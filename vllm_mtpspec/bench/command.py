@@ -61,7 +61,7 @@ def add_parser(sub) -> None:
                    help="default, never, sampled, always or a comma-separated mix: where the planner plans, whether "
                         "a batch whose requests started together lets only the requests that have made the fewest "
                         "tokens draft (pace_cohorts; default: in batches with a sampled request, and greedy ones "
-                        "of 32 requests or more); one row each")
+                        "of 16 requests or more); one row each")
     p.add_argument("--draft-dtype", default="auto",
                    help="auto, model, bfloat16, float16, float32, int8 or a comma-separated mix: the dtype mtpspec's "
                         "heads draft in (auto: bf16 for an fp32 model on a CPU with native bf16, int8 on other CPUs, "
