@@ -1,0 +1,204 @@
+"""Where a step's time goes: vLLM alone against mtpspec, from cProfile.
+
+Each configuration decodes the bench's held-out prompts in an engine in its own process
+(VLLM_ENABLE_V1_MULTIPROCESSING=0, so the engine core, the model runner and the proposer
+run under the profiler), after one warm-up batch. The configurations take turns, round
+by round, so that a slower stretch of a shared machine falls on all of them. Reported per
+engine step (the profile's time divided by its engine steps): the model's forward pass,
+the target's LM head, the sampler (vLLM's rejection sampler where drafts were sent), the
+proposal (mtpspec's heads, prompt lookup and planner; ngram's search), the rest of the
+step, and the functions whose own time per step differs most between the first
+configuration and each other one, with their calls per step. cProfile slows Python code,
+not the native matrix products: read the Python buckets as upper bounds.
+
+    python benchmarks/step_profile.py --configs none,mtpspec-k1,mtpspec-k3,ngram-k3 --batch-size 1 \\
+        --num-prompts 8 --rounds 2 --json benchmarks/results/step_profile_batch1_avx2.json
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+# Buckets of a step, by the function whose cumulative time is the bucket's (vLLM 0.32/0.33).
+BUCKETS = {
+    "engine step": ("vllm/v1/engine/core.py", "step"),
+    "model forward": ("vllm/v1/worker/gpu_model_runner.py", "_model_forward"),
+    # The target's LM head (heads without a draft vocabulary project through it too, inside
+    # the proposal: their time then counts in both).
+    "logits": ("vllm/model_executor/layers/logits_processor.py", "forward"),
+    "sampling": ("vllm/v1/worker/gpu_model_runner.py", "_sample"),
+    "proposal": ("vllm/v1/worker/gpu_model_runner.py", "propose_draft_token_ids"),
+    "input preparation": ("vllm/v1/worker/gpu_model_runner.py", "_prepare_inputs"),
+    "scheduler": ("vllm/v1/core/sched/scheduler.py", "schedule"),
+}
+
+
+def speculative_config(name: str) -> dict | None:
+    """none | ngram-kN | mtpspec-kN (heads alone, prompt lookup off) | default-kN (mtpspec's defaults)."""
+    if name == "none":
+        return None
+    method, _, k = name.rpartition("-k")
+    if not k.isdigit():
+        raise SystemExit(f"--configs: {name!r}: give none, ngram-kN, mtpspec-kN or default-kN (N draft tokens)")
+    if method == "ngram":
+        return {"method": "ngram", "num_speculative_tokens": int(k), "prompt_lookup_max": 4, "prompt_lookup_min": 2}
+    from vllm_mtpspec.cli import shipped_heads_dir
+
+    config = {"method": "mtpspec", "model": str(shipped_heads_dir()), "num_speculative_tokens": int(k)}
+    if method == "mtpspec":
+        return {**config, "prompt_lookup_max": 0}
+    if method == "default":
+        return config
+    raise SystemExit(f"--configs: {name!r}: give none, ngram-kN, mtpspec-kN or default-kN (N draft tokens)")
+
+
+def profile_one(config: str, batch_size: int, num_prompts: int, max_new_tokens: int, out: Path) -> None:
+    """Runs in a child process: one engine, its decode profiled, the stats dumped to out."""
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    import cProfile
+    import time
+
+    from vllm import LLM, SamplingParams
+
+    from vllm_mtpspec.bench.command import _cut_prompts, _kv_bytes_per_token
+    from vllm_mtpspec.bench.prompts import load_bench_prompts
+    from vllm_mtpspec.bench.runner import batches_for, engine_settings
+    from vllm_mtpspec.models import resolve_model
+    from vllm_mtpspec.prompts import apply_chat_template
+
+    model = str(resolve_model("smollm2-135m-instruct", dtype="fp32"))
+    prompts = _cut_prompts(load_bench_prompts("humaneval,sharegpt-held-out", num_prompts), model, 512)
+    engine = engine_settings(batch_size, 512, max_new_tokens, _kv_bytes_per_token(model, "fp32"), dtype="fp32")
+    spec = speculative_config(config)
+    llm = LLM(model, **engine, **({"speculative_config": spec} if spec else {}))
+    tokenizer = llm.get_tokenizer()
+    params = SamplingParams(temperature=0, max_tokens=max_new_tokens, ignore_eos=True)
+    groups = [[apply_chat_template(tokenizer, p.text, p.history) for p in group]
+              for group in batches_for(prompts, batch_size)]
+    llm.generate(groups[0], params, use_tqdm=False)  # warm-up
+    profiler = cProfile.Profile()
+    started, tokens = time.perf_counter(), 0
+    profiler.enable()
+    for group in groups:
+        tokens += sum(len(o.outputs[0].token_ids) for o in llm.generate(group, params, use_tqdm=False))
+    profiler.disable()
+    seconds = time.perf_counter() - started
+    profiler.dump_stats(str(out))
+    out.with_suffix(".json").write_text(json.dumps(dict(tokens=tokens, seconds=seconds)))
+
+
+def _short(filename: str) -> str:
+    """A source file's name from its package on (vllm/..., torch/..., vllm_mtpspec/...)."""
+    for marker in ("site-packages/", "/vllm_mtpspec/", "/benchmarks/"):
+        if marker in filename:
+            tail = filename.split(marker, 1)[1]
+            return tail if marker == "site-packages/" else marker.strip("/") + "/" + tail
+    return filename
+
+
+def per_step(stats_path: Path) -> dict:
+    """The profile as per-step figures: buckets (ms), and every function's own ms and calls."""
+    import pstats
+
+    stats = pstats.Stats(str(stats_path)).stats
+    by_name = {}
+    for (filename, line, function), (_, calls, own, cumulative, _) in stats.items():
+        key = f"{_short(filename)}:{line}({function})"
+        by_name[key] = (filename, function, calls, own, cumulative)
+    steps = next((calls for filename, function, calls, _, _ in by_name.values()
+                  if filename.endswith(BUCKETS["engine step"][0]) and function == BUCKETS["engine step"][1]), 0)
+    if not steps:
+        raise SystemExit(f"{stats_path}: no engine steps in the profile (vLLM's EngineCore.step was not called)")
+    buckets = {}
+    for bucket, (suffix, function) in BUCKETS.items():
+        # The outermost of same-named functions (vLLM's runner has two propose_draft_token_ids).
+        buckets[bucket] = 1e3 * max((cumulative for filename, name, _, _, cumulative in by_name.values()
+                                     if filename.endswith(suffix) and name == function), default=0.0) / steps
+    buckets["rest of the step"] = buckets["engine step"] - sum(v for k, v in buckets.items() if k != "engine step")
+    functions = {key: (1e3 * own / steps, calls / steps) for key, (_, _, calls, own, _) in by_name.items()}
+    return dict(steps=steps, buckets=buckets, functions=functions)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--configs", default="none,mtpspec-k1,mtpspec-k3",
+                        help="comma-separated: none, ngram-kN, mtpspec-kN (heads alone), default-kN; the first is "
+                             "the one the others are compared with")
+    parser.add_argument("--batch-size", type=int, default=1)
+    parser.add_argument("--num-prompts", type=int, default=16)
+    parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--top", type=int, default=12, help="functions listed per comparison")
+    parser.add_argument("--json", required=True)
+    parser.add_argument("--child", nargs=2, metavar=("CONFIG", "OUT"), help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        profile_one(args.child[0], args.batch_size, args.num_prompts, args.max_new_tokens, Path(args.child[1]))
+        return
+    configs = args.configs.split(",")
+    for config in configs:
+        speculative_config(config)  # refuse a bad name before any engine starts
+    runs: dict[str, list[dict]] = {c: [] for c in configs}
+    with tempfile.TemporaryDirectory() as folder:
+        for r in range(args.rounds):
+            for config in configs:
+                out = Path(folder) / f"{config}_{r}.prof"
+                subprocess.run([sys.executable, __file__, "--child", config, str(out), "--batch-size",
+                                str(args.batch_size), "--num-prompts", str(args.num_prompts), "--max-new-tokens",
+                                str(args.max_new_tokens), "--json", args.json], check=True,
+                               stdout=subprocess.DEVNULL)
+                timing = json.loads(out.with_suffix(".json").read_text())
+                runs[config].append(dict(per_step(out), **timing))
+                print(f"round {r + 1}, {config}: {timing['tokens'] / timing['seconds']:.1f} tokens/s, "
+                      f"{runs[config][-1]['steps']} steps", flush=True)
+    summary = {}
+    for config, rounds in runs.items():
+        buckets = {b: statistics.median(run["buckets"][b] for run in rounds) for b in rounds[0]["buckets"]}
+        names = set().union(*(run["functions"] for run in rounds))
+        functions = {n: (statistics.median(run["functions"].get(n, (0.0, 0.0))[0] for run in rounds),
+                         statistics.median(run["functions"].get(n, (0.0, 0.0))[1] for run in rounds)) for n in names}
+        summary[config] = dict(tokens_per_s=statistics.median(run["tokens"] / run["seconds"] for run in rounds),
+                               steps=statistics.median(run["steps"] for run in rounds),
+                               buckets_ms_per_step=buckets, functions=functions)
+    base = summary[configs[0]]
+    print(f"\nms per engine step (median of {args.rounds} rounds, batch {args.batch_size}):")
+    print("| bucket | " + " | ".join(configs) + " |\n|---|" + "---|" * len(configs))
+    for bucket in base["buckets_ms_per_step"]:
+        print(f"| {bucket} | " + " | ".join(f"{summary[c]['buckets_ms_per_step'][bucket]:.2f}" for c in configs) + " |")
+    print("| tokens/s | " + " | ".join(f"{summary[c]['tokens_per_s']:.1f}" for c in configs) + " |")
+    comparisons = {}
+    for config in configs[1:]:
+        mine = summary[config]["functions"]
+        names = set(mine) | set(base["functions"])
+        deltas = sorted(((mine.get(n, (0, 0))[0] - base["functions"].get(n, (0, 0))[0], n) for n in names),
+                        reverse=True)[:args.top]
+        comparisons[config] = [dict(function=n, own_ms_delta=d, own_ms=mine.get(n, (0, 0))[0],
+                                    own_ms_base=base["functions"].get(n, (0, 0))[0],
+                                    calls=mine.get(n, (0, 0))[1], calls_base=base["functions"].get(n, (0, 0))[1])
+                               for d, n in deltas]
+        print(f"\nown time per step, {config} against {configs[0]} (largest increases):")
+        for row in comparisons[config]:
+            print(f"  {row['own_ms_delta']:+.3f} ms ({row['own_ms_base']:.3f} -> {row['own_ms']:.3f}; calls "
+                  f"{row['calls_base']:.1f} -> {row['calls']:.1f})  {row['function']}")
+    machine = {}
+    try:
+        from vllm_mtpspec.bench.command import _cpu_name
+
+        machine = dict(machine=f"{_cpu_name()}, {os.cpu_count()} CPUs")
+    except Exception:  # the figures stand without the CPU's name
+        pass
+    for entry in summary.values():  # only what the tables read: the full profiles are large
+        entry.pop("functions")
+    Path(args.json).write_text(json.dumps(dict(**machine, batch_size=args.batch_size, rounds=args.rounds,
+                                               configs=configs, summary=summary, largest_increases=comparisons),
+                                          indent=1))
+
+
+if __name__ == "__main__":
+    main()
