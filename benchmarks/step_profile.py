@@ -58,7 +58,8 @@ def speculative_config(name: str) -> dict | None:
     raise SystemExit(f"--configs: {name!r}: give none, ngram-kN, mtpspec-kN or default-kN (N draft tokens)")
 
 
-def profile_one(config: str, batch_size: int, num_prompts: int, max_new_tokens: int, out: Path) -> None:
+def profile_one(config: str, batch_size: int, num_prompts: int, max_new_tokens: int, temperature: float,
+                out: Path) -> None:
     """Runs in a child process: one engine, its decode profiled, the stats dumped to out."""
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     import cProfile
@@ -78,7 +79,7 @@ def profile_one(config: str, batch_size: int, num_prompts: int, max_new_tokens: 
     spec = speculative_config(config)
     llm = LLM(model, **engine, **({"speculative_config": spec} if spec else {}))
     tokenizer = llm.get_tokenizer()
-    params = SamplingParams(temperature=0, max_tokens=max_new_tokens, ignore_eos=True)
+    params = SamplingParams(temperature=temperature, max_tokens=max_new_tokens, ignore_eos=True)
     groups = [[apply_chat_template(tokenizer, p.text, p.history) for p in group]
               for group in batches_for(prompts, batch_size)]
     llm.generate(groups[0], params, use_tqdm=False)  # warm-up
@@ -133,13 +134,16 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=1)
     parser.add_argument("--num-prompts", type=int, default=16)
     parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument("--temperature", type=float, default=0.0, help="every request's (ignore_eos: all make "
+                        "--max-new-tokens tokens)")
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--top", type=int, default=12, help="functions listed per comparison")
     parser.add_argument("--json", required=True)
     parser.add_argument("--child", nargs=2, metavar=("CONFIG", "OUT"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
-        profile_one(args.child[0], args.batch_size, args.num_prompts, args.max_new_tokens, Path(args.child[1]))
+        profile_one(args.child[0], args.batch_size, args.num_prompts, args.max_new_tokens, args.temperature,
+                    Path(args.child[1]))
         return
     configs = args.configs.split(",")
     for config in configs:
@@ -151,7 +155,8 @@ def main() -> None:
                 out = Path(folder) / f"{config}_{r}.prof"
                 subprocess.run([sys.executable, __file__, "--child", config, str(out), "--batch-size",
                                 str(args.batch_size), "--num-prompts", str(args.num_prompts), "--max-new-tokens",
-                                str(args.max_new_tokens), "--json", args.json], check=True,
+                                str(args.max_new_tokens), "--temperature", str(args.temperature), "--json", args.json],
+                               check=True,
                                stdout=subprocess.DEVNULL)
                 timing = json.loads(out.with_suffix(".json").read_text())
                 runs[config].append(dict(per_step(out), **timing))
@@ -167,7 +172,7 @@ def main() -> None:
                                steps=statistics.median(run["steps"] for run in rounds),
                                buckets_ms_per_step=buckets, functions=functions)
     base = summary[configs[0]]
-    print(f"\nms per engine step (median of {args.rounds} rounds, batch {args.batch_size}):")
+    print(f"\nms per engine step (median of {args.rounds} rounds, batch {args.batch_size}, T={args.temperature}):")
     print("| bucket | " + " | ".join(configs) + " |\n|---|" + "---|" * len(configs))
     for bucket in base["buckets_ms_per_step"]:
         print(f"| {bucket} | " + " | ".join(f"{summary[c]['buckets_ms_per_step'][bucket]:.2f}" for c in configs) + " |")
@@ -195,7 +200,8 @@ def main() -> None:
         pass
     for entry in summary.values():  # only what the tables read: the full profiles are large
         entry.pop("functions")
-    Path(args.json).write_text(json.dumps(dict(**machine, batch_size=args.batch_size, rounds=args.rounds,
+    Path(args.json).write_text(json.dumps(dict(**machine, batch_size=args.batch_size, temperature=args.temperature,
+                                               rounds=args.rounds,
                                                configs=configs, summary=summary, largest_increases=comparisons),
                                           indent=1))
 
