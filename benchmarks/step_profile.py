@@ -39,13 +39,16 @@ BUCKETS = {
 }
 
 
+CONFIG_NAMES = "none, ngram-kN, mtpspec-kN or default-kN (N draft tokens)"
+
+
 def speculative_config(name: str) -> dict | None:
     """none | ngram-kN | mtpspec-kN (heads alone, prompt lookup off) | default-kN (mtpspec's defaults)."""
     if name == "none":
         return None
     method, _, k = name.rpartition("-k")
     if not k.isdigit():
-        raise SystemExit(f"--configs: {name!r}: give none, ngram-kN, mtpspec-kN or default-kN (N draft tokens)")
+        raise SystemExit(f"--configs: {name!r}: give {CONFIG_NAMES}")
     if method == "ngram":
         return {"method": "ngram", "num_speculative_tokens": int(k), "prompt_lookup_max": 4, "prompt_lookup_min": 2}
     from vllm_mtpspec.cli import shipped_heads_dir
@@ -55,7 +58,7 @@ def speculative_config(name: str) -> dict | None:
         return {**config, "prompt_lookup_max": 0}
     if method == "default":
         return config
-    raise SystemExit(f"--configs: {name!r}: give none, ngram-kN, mtpspec-kN or default-kN (N draft tokens)")
+    raise SystemExit(f"--configs: {name!r}: give {CONFIG_NAMES}")
 
 
 def profile_one(config: str, batch_size: int, num_prompts: int, max_new_tokens: int, temperature: float,
@@ -126,6 +129,48 @@ def per_step(stats_path: Path) -> dict:
     return dict(steps=steps, buckets=buckets, functions=functions)
 
 
+def summarize(runs: dict[str, list[dict]]) -> dict[str, dict]:
+    """Per configuration, the median over its rounds of every per-step figure."""
+    summary = {}
+    for config, rounds in runs.items():
+        buckets = {b: statistics.median(run["buckets"][b] for run in rounds) for b in rounds[0]["buckets"]}
+        names = set().union(*(run["functions"] for run in rounds))
+        functions = {n: tuple(statistics.median(run["functions"].get(n, (0.0, 0.0))[i] for run in rounds)
+                              for i in (0, 1)) for n in names}
+        summary[config] = dict(tokens_per_s=statistics.median(run["tokens"] / run["seconds"] for run in rounds),
+                               steps=statistics.median(run["steps"] for run in rounds),
+                               buckets_ms_per_step=buckets, functions=functions)
+    return summary
+
+
+def largest_increases(summary: dict[str, dict], configs: list[str], top: int) -> dict[str, list[dict]]:
+    """For each configuration after the first, the functions whose own time per step grew most
+    against the first's, with their calls per step."""
+    base = summary[configs[0]]["functions"]
+    comparisons = {}
+    for config in configs[1:]:
+        mine = summary[config]["functions"]
+        deltas = sorted(((mine.get(n, (0, 0))[0] - base.get(n, (0, 0))[0], n) for n in set(mine) | set(base)),
+                        reverse=True)[:top]
+        comparisons[config] = [dict(function=n, own_ms_delta=d, own_ms=mine.get(n, (0, 0))[0],
+                                    own_ms_base=base.get(n, (0, 0))[0], calls=mine.get(n, (0, 0))[1],
+                                    calls_base=base.get(n, (0, 0))[1]) for d, n in deltas]
+    return comparisons
+
+
+def print_report(summary: dict[str, dict], comparisons: dict[str, list[dict]], configs: list[str], title: str) -> None:
+    print(f"\nms per engine step ({title}):")
+    print("| bucket | " + " | ".join(configs) + " |\n|---|" + "---|" * len(configs))
+    for bucket in summary[configs[0]]["buckets_ms_per_step"]:
+        print(f"| {bucket} | " + " | ".join(f"{summary[c]['buckets_ms_per_step'][bucket]:.2f}" for c in configs) + " |")
+    print("| tokens/s | " + " | ".join(f"{summary[c]['tokens_per_s']:.1f}" for c in configs) + " |")
+    for config, rows in comparisons.items():
+        print(f"\nown time per step, {config} against {configs[0]} (largest increases):")
+        for row in rows:
+            print(f"  {row['own_ms_delta']:+.3f} ms ({row['own_ms_base']:.3f} -> {row['own_ms']:.3f}; calls "
+                  f"{row['calls_base']:.1f} -> {row['calls']:.1f})  {row['function']}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--configs", default="none,mtpspec-k1,mtpspec-k3",
@@ -156,41 +201,15 @@ def main() -> None:
                 subprocess.run([sys.executable, __file__, "--child", config, str(out), "--batch-size",
                                 str(args.batch_size), "--num-prompts", str(args.num_prompts), "--max-new-tokens",
                                 str(args.max_new_tokens), "--temperature", str(args.temperature), "--json", args.json],
-                               check=True,
-                               stdout=subprocess.DEVNULL)
+                               check=True, stdout=subprocess.DEVNULL)
                 timing = json.loads(out.with_suffix(".json").read_text())
                 runs[config].append(dict(per_step(out), **timing))
                 print(f"round {r + 1}, {config}: {timing['tokens'] / timing['seconds']:.1f} tokens/s, "
                       f"{runs[config][-1]['steps']} steps", flush=True)
-    summary = {}
-    for config, rounds in runs.items():
-        buckets = {b: statistics.median(run["buckets"][b] for run in rounds) for b in rounds[0]["buckets"]}
-        names = set().union(*(run["functions"] for run in rounds))
-        functions = {n: (statistics.median(run["functions"].get(n, (0.0, 0.0))[0] for run in rounds),
-                         statistics.median(run["functions"].get(n, (0.0, 0.0))[1] for run in rounds)) for n in names}
-        summary[config] = dict(tokens_per_s=statistics.median(run["tokens"] / run["seconds"] for run in rounds),
-                               steps=statistics.median(run["steps"] for run in rounds),
-                               buckets_ms_per_step=buckets, functions=functions)
-    base = summary[configs[0]]
-    print(f"\nms per engine step (median of {args.rounds} rounds, batch {args.batch_size}, T={args.temperature}):")
-    print("| bucket | " + " | ".join(configs) + " |\n|---|" + "---|" * len(configs))
-    for bucket in base["buckets_ms_per_step"]:
-        print(f"| {bucket} | " + " | ".join(f"{summary[c]['buckets_ms_per_step'][bucket]:.2f}" for c in configs) + " |")
-    print("| tokens/s | " + " | ".join(f"{summary[c]['tokens_per_s']:.1f}" for c in configs) + " |")
-    comparisons = {}
-    for config in configs[1:]:
-        mine = summary[config]["functions"]
-        names = set(mine) | set(base["functions"])
-        deltas = sorted(((mine.get(n, (0, 0))[0] - base["functions"].get(n, (0, 0))[0], n) for n in names),
-                        reverse=True)[:args.top]
-        comparisons[config] = [dict(function=n, own_ms_delta=d, own_ms=mine.get(n, (0, 0))[0],
-                                    own_ms_base=base["functions"].get(n, (0, 0))[0],
-                                    calls=mine.get(n, (0, 0))[1], calls_base=base["functions"].get(n, (0, 0))[1])
-                               for d, n in deltas]
-        print(f"\nown time per step, {config} against {configs[0]} (largest increases):")
-        for row in comparisons[config]:
-            print(f"  {row['own_ms_delta']:+.3f} ms ({row['own_ms_base']:.3f} -> {row['own_ms']:.3f}; calls "
-                  f"{row['calls_base']:.1f} -> {row['calls']:.1f})  {row['function']}")
+    summary = summarize(runs)
+    comparisons = largest_increases(summary, configs, args.top)
+    print_report(summary, comparisons, configs, f"median of {args.rounds} rounds, batch {args.batch_size}, "
+                 f"T={args.temperature}")
     machine = {}
     try:
         from vllm_mtpspec.bench.command import _cpu_name
@@ -201,9 +220,8 @@ def main() -> None:
     for entry in summary.values():  # only what the tables read: the full profiles are large
         entry.pop("functions")
     Path(args.json).write_text(json.dumps(dict(**machine, batch_size=args.batch_size, temperature=args.temperature,
-                                               rounds=args.rounds,
-                                               configs=configs, summary=summary, largest_increases=comparisons),
-                                          indent=1))
+                                               rounds=args.rounds, configs=configs, summary=summary,
+                                               largest_increases=comparisons), indent=1))
 
 
 if __name__ == "__main__":
