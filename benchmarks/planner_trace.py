@@ -139,32 +139,24 @@ def main() -> None:
         plot({f"pace_cohorts={t['pace_cohorts']}": t["events"] for t in traces}, Path(args.plot),
              f"planner at batch {traces[0]['batch_size']}, T={traces[0]['temperature']}, {traces[0]['machine']}")
         return
-    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the planner lives in this process
+    from vllm import SamplingParams
 
-    from vllm import LLM, SamplingParams
-
-    from vllm_mtpspec.bench.command import _cpu_name, _cut_prompts, _kv_bytes_per_token
-    from vllm_mtpspec.bench.prompts import load_bench_prompts
-    from vllm_mtpspec.bench.runner import batches_for, engine_settings
+    from vllm_mtpspec.bench.command import _cpu_name
+    from vllm_mtpspec.bench.in_process import in_process_engine
     from vllm_mtpspec.cli import shipped_heads_dir
-    from vllm_mtpspec.models import resolve_model
-    from vllm_mtpspec.prompts import apply_chat_template
 
     events: list[dict] = []
     install_recorder(events)
-    model = str(resolve_model("smollm2-135m-instruct", dtype=args.dtype))
-    prompts = _cut_prompts(load_bench_prompts("humaneval,sharegpt-held-out", args.num_prompts), model, 512)
-    engine = engine_settings(args.batch_size, 512, args.max_new_tokens, _kv_bytes_per_token(model, args.dtype),
-                             dtype=args.dtype)
     speculative = {"method": "mtpspec", "model": str(shipped_heads_dir()), "num_speculative_tokens": 3,
                    "pace_cohorts": args.pace_cohorts}
-    llm = LLM(model, **engine, **({"speculative_config": speculative} if args.speculation == "on" else {}))
-    tokenizer = llm.get_tokenizer()
+    # In this process: the planner it records lives here.
+    llm, batches = in_process_engine(args.batch_size, num_prompts=args.num_prompts,
+                                     max_new_tokens=args.max_new_tokens, dtype=args.dtype,
+                                     speculative_config=speculative if args.speculation == "on" else None)
     params = SamplingParams(temperature=args.temperature, max_tokens=args.max_new_tokens, ignore_eos=True)
     rounds = []
     for r in range(args.rounds):
-        for group in batches_for(prompts, args.batch_size):
-            texts = [apply_chat_template(tokenizer, p.text, p.history) for p in group]
+        for texts in batches:
             first = len(events)
             started = time.perf_counter()
             outputs = llm.generate(texts, params, use_tqdm=False)

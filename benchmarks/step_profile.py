@@ -1,8 +1,8 @@
 """Where a step's time goes: vLLM alone against mtpspec, from cProfile.
 
 Each configuration decodes the bench's held-out prompts in an engine in its own process
-(VLLM_ENABLE_V1_MULTIPROCESSING=0, so the engine core, the model runner and the proposer
-run under the profiler), after one warm-up batch. The configurations take turns, round
+(bench/in_process.py: the engine core, the model runner and the proposer run under the
+profiler), after one warm-up batch. The configurations take turns, round
 by round, so that a slower stretch of a shared machine falls on all of them. Reported per
 engine step (the profile's time divided by its engine steps): the model's forward pass,
 the target's LM head, the sampler (vLLM's rejection sampler where drafts were sent), the
@@ -43,48 +43,36 @@ CONFIG_NAMES = "none, ngram-kN, mtpspec-kN or default-kN (N draft tokens)"
 
 
 def speculative_config(name: str) -> dict | None:
-    """none | ngram-kN | mtpspec-kN (heads alone, prompt lookup off) | default-kN (mtpspec's defaults)."""
+    """none | ngram-kN | mtpspec-kN (the shipped heads alone, prompt lookup off) | default-kN
+    (heads and prompt lookup): the configs of `mtpspec bench`'s own rows of those names."""
     if name == "none":
         return None
-    method, _, k = name.rpartition("-k")
-    if not k.isdigit():
+    family, _, k = name.rpartition("-k")
+    if not k.isdigit() or family not in ("ngram", "mtpspec", "default"):
         raise SystemExit(f"--configs: {name!r}: give {CONFIG_NAMES}")
-    if method == "ngram":
-        return {"method": "ngram", "num_speculative_tokens": int(k), "prompt_lookup_max": 4, "prompt_lookup_min": 2}
+    from vllm_mtpspec.bench.methods import build_methods
     from vllm_mtpspec.cli import shipped_heads_dir
 
-    config = {"method": "mtpspec", "model": str(shipped_heads_dir()), "num_speculative_tokens": int(k)}
-    if method == "mtpspec":
-        return {**config, "prompt_lookup_max": 0}
-    if method == "default":
-        return config
-    raise SystemExit(f"--configs: {name!r}: give {CONFIG_NAMES}")
+    method, = build_methods(["ngram" if family == "ngram" else "mtpspec-chain"], model_dir="",
+                            heads_dirs=[str(shipped_heads_dir())], num_heads=[int(k)], quants=["fp"], tree="chain",
+                            work_dir=Path(tempfile.gettempdir()), num_spec_tokens=int(k),
+                            lookups=[family == "default"])
+    return method.speculative_config
 
 
 def profile_one(config: str, batch_size: int, num_prompts: int, max_new_tokens: int, temperature: float,
                 out: Path) -> None:
     """Runs in a child process: one engine, its decode profiled, the stats dumped to out."""
-    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     import cProfile
     import time
 
-    from vllm import LLM, SamplingParams
+    from vllm import SamplingParams
 
-    from vllm_mtpspec.bench.command import _cut_prompts, _kv_bytes_per_token
-    from vllm_mtpspec.bench.prompts import load_bench_prompts
-    from vllm_mtpspec.bench.runner import batches_for, engine_settings
-    from vllm_mtpspec.models import resolve_model
-    from vllm_mtpspec.prompts import apply_chat_template
+    from vllm_mtpspec.bench.in_process import in_process_engine
 
-    model = str(resolve_model("smollm2-135m-instruct", dtype="fp32"))
-    prompts = _cut_prompts(load_bench_prompts("humaneval,sharegpt-held-out", num_prompts), model, 512)
-    engine = engine_settings(batch_size, 512, max_new_tokens, _kv_bytes_per_token(model, "fp32"), dtype="fp32")
-    spec = speculative_config(config)
-    llm = LLM(model, **engine, **({"speculative_config": spec} if spec else {}))
-    tokenizer = llm.get_tokenizer()
+    llm, groups = in_process_engine(batch_size, num_prompts=num_prompts, max_new_tokens=max_new_tokens,
+                                    speculative_config=speculative_config(config))
     params = SamplingParams(temperature=temperature, max_tokens=max_new_tokens, ignore_eos=True)
-    groups = [[apply_chat_template(tokenizer, p.text, p.history) for p in group]
-              for group in batches_for(prompts, batch_size)]
     llm.generate(groups[0], params, use_tqdm=False)  # warm-up
     profiler = cProfile.Profile()
     started, tokens = time.perf_counter(), 0
@@ -210,13 +198,9 @@ def main() -> None:
     comparisons = largest_increases(summary, configs, args.top)
     print_report(summary, comparisons, configs, f"median of {args.rounds} rounds, batch {args.batch_size}, "
                  f"T={args.temperature}")
-    machine = {}
-    try:
-        from vllm_mtpspec.bench.command import _cpu_name
+    from vllm_mtpspec.bench.command import _cpu_name
 
-        machine = dict(machine=f"{_cpu_name()}, {os.cpu_count()} CPUs")
-    except Exception:  # the figures stand without the CPU's name
-        pass
+    machine = dict(machine=f"{_cpu_name()}, {os.cpu_count()} CPUs")
     for entry in summary.values():  # only what the tables read: the full profiles are large
         entry.pop("functions")
     Path(args.json).write_text(json.dumps(dict(**machine, batch_size=args.batch_size, temperature=args.temperature,
