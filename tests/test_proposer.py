@@ -435,3 +435,17 @@ def test_pacing_asked_of_an_engine_that_does_not_plan_is_refused_at_start_up(mak
     with pytest.raises(ConfigError, match="pace_cohorts='sampled'.*'fixed'"):
         make_proposer(draft_size=None, tree="consensus", pace_cohorts="sampled")
     assert make_proposer(draft_size="fixed")[0].pacer is None
+
+
+@pytest.mark.parametrize("draft_size", ["fixed", "planned"])
+def test_no_request_is_sent_drafts_past_its_max_tokens(make_proposer, draft_size):
+    p, _, model = make_proposer(draft_size=draft_size, batch_backoff_start=4, pace_cohorts="never")
+    # Made 60, 62, 63 and 10 of 64: the next step emits one token anyway, so at most 3, 1,
+    # 0 and 3 drafts can be kept.
+    budget = [(64, 60), (64, 62), (64, 63), (64, 10)]
+    p.capture_step(torch.randn(4, model.config.hidden_size), None, ["a", "b", "c", "d"], decode_only=True,
+                   sampled=lambda i: False, budget=budget.__getitem__)
+    if p.planner is not None:
+        p.planner.plan = lambda req_ids, candidates, **k: [c.length if c is not None else 0 for c in candidates]
+    drafts = p.propose([[1], [2], [3], [4]])
+    assert [len(d) for d in drafts] == [3, 1, 0, 3]

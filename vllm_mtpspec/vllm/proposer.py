@@ -374,6 +374,7 @@ class MTPSpecProposer:
                 i = owners[head_owners[n]]
                 drafts[i] = tokens
                 self.proposed_trees[req_ids[i]] = ProposedTree(shape, tuple(tokens))
+        chains = self._within_budgets(chains, owners)
         if planner is not None:
             chains = self._planned(chains, owners, sampled, clock() - drafting_started if head_owners else 0.0)
             planner.proposal_took(clock() - proposing_started)
@@ -398,6 +399,20 @@ class MTPSpecProposer:
         self._paced = (sum(may), len(sampled))
         self.paced_steps += 1
         return [(i, row) for i, row in pairs if may[i]]
+
+    def _within_budgets(self, chains: dict[int, Candidate], owners: list[int]) -> dict[int, Candidate]:
+        """Each chain cut to what its request may still make. The next step emits one token
+        whatever is kept, so a request that has made `made` of its max_tokens can keep at
+        most max_tokens - made - 1 drafts; vLLM verifies any further ones for nothing (its
+        scheduler does not cut drafts at max_tokens)."""
+        if self._budget is None:
+            return chains
+        cut = {}
+        for j, chain in chains.items():
+            budget = self._budget(owners[j])
+            room = chain.length if budget is None else max(budget[0] - budget[1] - 1, 0)
+            cut[j] = chain if room >= chain.length else dataclasses.replace(chain, length=room)
+        return cut
 
     def _planned(self, chains: dict[int, Candidate], owners: list[int], sampled: list[bool],
                  drafting_seconds: float) -> dict[int, Candidate]:
