@@ -2,10 +2,12 @@
 
 Runs one engine with mtpspec's default settings in this process, decodes the bench's
 held-out prompts at one batch size, and records for every planned step: the running
-requests, the draft tokens the planner sent, the step time it predicted from its cost
-curve (drafting left out), the time the step really took and the tokens it emitted, and
+requests, the draft tokens the planner sent, the step time and the tokens it predicted
+(its cost curve and kept chances as corrected by its plan check; drafting left out; the
+curve's own figure too), the time the step really took and the tokens it emitted, and
 the steps where the proposal rested. The summary compares steps that drafted with steps
-that did not: their measured tokens per second is what the planner's choice is worth.
+that did not (their measured tokens per second is what the planner's choice is worth),
+and what the drafts sent kept and added to their steps against what was predicted.
 
     python benchmarks/planner_trace.py --batch-size 32 --temperature 0 --rounds 3 --pace-cohorts never \
         --json benchmarks/results/planner_trace_xeon_32.json --plot benchmarks/results/planner_trace_xeon_32.png
@@ -38,7 +40,8 @@ def install_recorder(events: list[dict]) -> None:
         curve = self.costs.curve(len(req_ids), sampled)
         draft_tokens = int(sum(lengths))
         events.append(dict(kind="planned", batch=len(req_ids), sampled=sampled, offered=sum(c is not None for c in candidates),
-                           draft_tokens=draft_tokens, predicted=curve.seconds(len(req_ids) + draft_tokens),
+                           draft_tokens=draft_tokens, predicted=self.last.seconds,
+                           predicted_by_curve=curve.seconds(len(req_ids) + draft_tokens),
                            predicted_without=curve.seconds(len(req_ids)), expected=self.last.expected_tokens,
                            rate=self.last.tokens_per_second, explored=self.last.explored,
                            drafting=drafting_seconds, seconds=None))
@@ -53,6 +56,10 @@ def install_recorder(events: list[dict]) -> None:
     DraftPlanner.observe_step, DraftPlanner.plan, DraftPlanner.wants_proposal = observe_step, planned, wants_proposal
 
 
+def _ratio_of_sums(real: list[float], predicted: list[float]) -> float | None:
+    return sum(real) / sum(predicted) if predicted and sum(predicted) > 0 else None
+
+
 def summarize(events: list[dict]) -> dict:
     timed = [e for e in events if e.get("seconds") is not None and e.get("timed")]
     drafted = [e for e in timed if e["draft_tokens"]]
@@ -63,12 +70,17 @@ def summarize(events: list[dict]) -> dict:
         return sum(e["emitted"] for e in steps) / seconds if seconds else None
 
     errors = [e["seconds"] / e["predicted"] for e in drafted if e.get("predicted")]
+    checked = [e for e in drafted if e.get("predicted") and e.get("predicted_without") is not None]
     return dict(steps=len(timed), drafted_steps=len(drafted), rested_steps=sum(e["kind"] == "rested" for e in timed),
                 tokens_per_s_drafted=rate(drafted), tokens_per_s_not_drafted=rate(plain),
                 draft_tokens_per_request=statistics.fmean(e["draft_tokens"] / e["batch"] for e in drafted) if drafted else 0,
                 emitted_per_request_drafted=statistics.fmean(e["emitted"] / e["batch"] for e in drafted) if drafted else None,
                 expected_per_request_drafted=statistics.fmean(e["expected"] / e["batch"] for e in drafted) if drafted else None,
                 actual_over_predicted_seconds=statistics.median(errors) if errors else None,
+                kept_over_predicted=_ratio_of_sums([e["emitted"] - e["batch"] for e in checked],
+                                                   [e["expected"] - e["batch"] for e in checked]),
+                added_seconds_over_predicted=_ratio_of_sums([e["seconds"] - e["predicted_without"] for e in checked],
+                                                            [e["predicted"] - e["predicted_without"] for e in checked]),
                 drafting_seconds_per_drafted_step=statistics.fmean(e["drafting"] for e in drafted) if drafted else None)
 
 

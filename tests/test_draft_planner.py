@@ -7,6 +7,7 @@ import random
 import pytest
 
 from vllm_mtpspec.draft_planner import (Candidate, DraftPlanner, KeepCalibration, LookupKeepRates, plan_drafts)
+from vllm_mtpspec.plan_check import MeasuredRatio, PlanCheck
 from vllm_mtpspec.step_cost import StepCostCurve, StepCosts, non_decreasing
 
 
@@ -130,10 +131,11 @@ class Machine:
     """A simulated engine: step cost by query tokens, heads whose path probability is
     right and whose run costs heads_seconds, and requests that keep each draft with that
     probability. modes: per step, the heads' acceptance profile is one of these, at random
-    (confident on some text, unsure on other)."""
+    (confident on some text, unsure on other). claimed: the path probabilities the heads
+    report instead, where they are wrong."""
 
     def __init__(self, step_seconds, *, batch_size, depth=3, seed=0, modes=((0.7, 0.6, 0.5),), noise=0.03,
-                 heads_seconds=0.0, proposal_seconds=0.0):
+                 heads_seconds=0.0, proposal_seconds=0.0, claimed=None):
         self.step_seconds = step_seconds
         self.batch_size = batch_size
         self.depth = depth
@@ -142,17 +144,20 @@ class Machine:
         self.noise = noise
         self.heads_seconds = heads_seconds
         self.proposal_seconds = proposal_seconds  # searching contexts and planning, every proposal
+        self.claimed = claimed
+        self.real_probs = []
         self.now = 0.0
 
     def candidates(self):
         accept = self.rng.choice(self.modes)
-        out = []
+        out, self.real_probs = [], []
         for _ in range(self.batch_size):
             reach, probs = 1.0, []
             for m in range(self.depth):
                 reach *= min(max(accept[m] + self.rng.uniform(-0.05, 0.05), 0.0), 1.0)
                 probs.append(reach)
-            out.append(Candidate("heads", False, self.depth, tuple(probs)))
+            self.real_probs.append(probs)
+            out.append(Candidate("heads", False, self.depth, tuple(self.claimed or probs)))
         return out
 
     def run(self, planner, steps):
@@ -181,9 +186,9 @@ class Machine:
             self.now += verify
             elapsed += verify
             emitted = []
-            for c, n in zip(candidates, lengths):
-                kept = 0
-                while kept < n and self.rng.random() < c.path_probs[kept] / (c.path_probs[kept - 1] if kept else 1.0):
+            for i, n in enumerate(lengths):
+                probs, kept = self.real_probs[i] if n else [], 0
+                while kept < n and self.rng.random() < probs[kept] / (probs[kept - 1] if kept else 1.0):
                     kept += 1
                 emitted.append(1 + kept)
             verified = lengths
@@ -332,3 +337,71 @@ def test_drafts_that_vllm_cut_count_only_as_far_as_they_were_verified():
     planner.plan(["a"], [Candidate("lookup", False, 3)], sampled=False)
     planner.observe_step(["a"], [1], [0], [False], timed=False)  # vLLM verified none of the 3
     assert planner.lookup_keep[False].keep_probs(1)[0] == pytest.approx(0.6)
+
+
+def test_a_measured_ratio_is_one_until_measured_then_real_over_predicted():
+    ratio = MeasuredRatio(decay=1.0, prior_steps=8.0, low=0.25, high=2.0)
+    assert ratio.value == 1.0
+    ratio.add(1.0, 2.0)
+    # One step at half its prediction, against 8 pseudo-steps that came true.
+    assert ratio.value == pytest.approx((1.0 + 8 * 2.0) / (2.0 + 8 * 2.0))
+    for _ in range(2000):
+        ratio.add(1.0, 2.0)
+    assert ratio.value == pytest.approx(0.5, abs=0.01)
+    for _ in range(2000):
+        ratio.add(-5.0, 1.0)  # a noisy clock can read a step faster than predicted
+    assert ratio.value == 0.25
+
+
+def test_what_sent_drafts_kept_and_cost_against_their_prediction_corrects_the_next_plans():
+    now = [0.0]
+    planner = DraftPlanner(3, clock=lambda: now[0])
+    lookup = Candidate("lookup", False, 2)
+    # A measured curve: 0.1 s for 2 query tokens, 0.15 s for 4; the engine's rate measured.
+    for q, seconds in ((2, 0.1), (4, 0.15)):
+        planner.costs.curve(2, False).add(q, seconds)
+    planner.observe_step(["a", "b"], [1, 1], None, [False, False], timed=True)
+    now[0] += 0.1
+    planner.observe_step(["a", "b"], [1, 1], None, [False, False], timed=True)
+    first = planner.plan(["a", "b"], [lookup, lookup], sampled=False)
+    assert sum(first) > 0
+    predicted = sum(sum(planner.keep_probs(lookup)[:n]) for n in first)
+    predicted_added = planner.costs.curve(2, False).seconds(2 + sum(first)) - 0.1
+    # The step keeps no draft and takes twice the time the drafts were predicted to add.
+    planner.verify_started()
+    now[0] += 0.1 + 2 * predicted_added
+    planner.observe_step(["a", "b"], [1, 1], first, [False, False], timed=True)
+    check = planner.checks[StepCosts.key(2, False)]
+    assert check.kept.value == pytest.approx(8 * predicted / (predicted + 8 * predicted))
+    assert check.added_seconds.value == pytest.approx((2 + 8) / (1 + 8))
+    # The next plan expects its drafts' chances scaled by the measured ratio.
+    heads = Candidate("heads", False, 1, (0.95,))
+    assert planner.plan(["a", "b"], [heads, None], sampled=False) == [1, 0]
+    assert planner.last.expected_tokens == pytest.approx(2 + 0.95 * check.kept.value)
+    assert "kept tokens x0.89, added time x1.11" in planner.describe()
+
+
+class FrozenCalibration(KeepCalibration):
+    """Heads' probabilities trusted as they come: a bias in the predictions that the
+    planner's calibration does not remove (as selection biases what is sent on real text)."""
+
+    def observe(self, predicted, kept):
+        pass
+
+
+@pytest.mark.parametrize("check", [True, False])
+def test_drafts_predicted_too_well_are_found_out_by_what_they_kept(check, monkeypatch):
+    # A CPU where every query token costs: a draft pays only if kept more than 60% of the
+    # time. The heads say 0.9 at every depth; the target keeps 0.4 of each.
+    step_seconds = lambda q: 0.01 + 0.006 * q  # noqa: E731
+    machine = Machine(step_seconds, batch_size=8, modes=((0.4, 0.4, 0.4),), claimed=(0.9, 0.81, 0.729))
+    planner = DraftPlanner(3, clock=lambda: machine.now)
+    planner.heads_keep = {False: FrozenCalibration(), True: FrozenCalibration()}
+    if not check:
+        monkeypatch.setattr(PlanCheck, "kept_chance", lambda self, p: p)
+    rate, _ = machine.run(planner, 1200)
+    nothing = 8 / step_seconds(8)
+    if check:
+        assert rate >= 0.97 * nothing
+    else:
+        assert rate < 0.9 * nothing  # what the planner did before it checked itself

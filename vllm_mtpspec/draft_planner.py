@@ -12,6 +12,9 @@ keeps its first m drafts, for m = 1, 2, ...:
 - prompt-lookup chains: the measured chance that lookup drafts are kept, depth by depth
   (LookupKeepRates).
 and the measured cost of a verify step by its number of query tokens (step_cost.py).
+Both are then corrected by how far the planner's predictions for the drafts it sent were
+off (plan_check.py): what is chosen for looking best was, more often than not, predicted
+too well.
 
 What a step is worth is measured against what the engine makes anyway: lambda, its
 measured tokens per second for this kind of batch (every request's own token included,
@@ -38,6 +41,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from vllm_mtpspec.adaptive import DecayingMean
+from vllm_mtpspec.plan_check import PlanCheck
 from vllm_mtpspec.step_cost import StepCosts
 
 
@@ -198,6 +202,17 @@ class Candidate:
 class _Sent:
     candidate: Candidate
     length: int
+    predicted: tuple[float, ...]  # each draft's kept chance as predicted before the plan check
+
+
+@dataclass(frozen=True)
+class _SentStep:
+    """What the plan predicted for the step that verifies its drafts, for the plan check."""
+
+    key: tuple[int, bool]
+    batch_size: int
+    seconds_without_drafts: float
+    added_seconds: float
 
 
 @dataclass
@@ -216,6 +231,7 @@ class PlannerLog:
     heads_cost: float | None = None      # tokens the engine makes in the heads' own time
     proposal_gain: float | None = None   # tokens any drafts add per proposal, on average
     proposal_cost: float | None = None   # tokens the engine makes in the proposal's own time
+    check: str | None = None             # how the predictions are corrected (plan_check.py)
 
 
 @dataclass
@@ -238,6 +254,8 @@ class DraftPlanner:
         self._seconds: dict[Key, DecayingMean] = {}      # their whole time, drafting included
         self._heads_gates: dict[Key, PayGate] = {}      # whether running the heads pays
         self._proposal_gates: dict[Key, PayGate] = {}   # whether proposing anything pays
+        self.checks: dict[Key, PlanCheck] = {}           # how far sent drafts' predictions were off
+        self._sent_step: _SentStep | None = None
         self._plans: dict[Key, int] = {}                 # plans made per kind of batch
         self._proposal_gain: tuple[tuple[int, bool], float] | None = None  # the last plan's, until timed
         self.last = PlannerLog()
@@ -251,23 +269,30 @@ class DraftPlanner:
         now = self.clock()
         started, self._verify_started = self._verify_started, None
         previous, self._observed_at = self._observed_at, now
+        sent_step, self._sent_step = self._sent_step, None
         if timed and req_ids:
             key = StepCosts.key(len(req_ids), any(sampled))
             if started is not None:
                 drafts = sum(verified_drafts) if verified_drafts is not None else 0
                 self.costs.curve(len(req_ids), any(sampled)).add(len(req_ids) + drafts, now - started)
+                if sent_step is not None and sent_step.batch_size == len(req_ids):
+                    self.checks[sent_step.key].added_seconds.add(now - started - sent_step.seconds_without_drafts,
+                                                                 sent_step.added_seconds)
             if previous is not None:
                 self._tokens.setdefault(key, DecayingMean(self.rate_decay)).add(float(sum(emitted)))
                 self._seconds.setdefault(key, DecayingMean(self.rate_decay)).add(now - previous)
         sent, self._sent = self._sent, {}
         if verified_drafts is None:
             return
+        kept_in_all = predicted_in_all = 0.0
         for i, req in enumerate(req_ids):
             drafted = sent.get(req)
             if drafted is None:
                 continue
             n = min(drafted.length, verified_drafts[i])
             kept = min(max(emitted[i] - 1, 0), n)
+            kept_in_all += kept
+            predicted_in_all += sum(drafted.predicted[:n])
             c = drafted.candidate
             if c.source == "lookup":
                 self.lookup_keep[c.sampled].observe(n, kept)
@@ -277,11 +302,14 @@ class DraftPlanner:
                 # draft after a rejected one counts as not kept.
                 for m in range(n):
                     calibration.observe(c.path_probs[m], m < kept)
+        if sent_step is not None and predicted_in_all > 0:
+            self.checks[sent_step.key].kept.add(kept_in_all, predicted_in_all)
 
     def step_not_planned(self) -> None:
         """A step another rule drafted (a batch too small to plan): neither what was sent
         before nor the time since is matched to what the next planned step sees."""
         self._sent = {}
+        self._sent_step = None
         self._verify_started = None
         self._observed_at = None
 
@@ -344,14 +372,20 @@ class DraftPlanner:
         """Draft lengths per request (candidates[i] None: nothing to offer). drafting_seconds:
         what running the heads took this step (0 when they rested)."""
         batch = len(req_ids)
-        keep = [self.keep_probs(c) if c is not None else [] for c in candidates]
+        key = StepCosts.key(batch, sampled)
+        check = self.checks.setdefault(key, PlanCheck())
+        predicted = [self.keep_probs(c) if c is not None else [] for c in candidates]
+        keep = [[check.kept_chance(p) for p in probs] for probs in predicted]
         curve = self.costs.curve(batch, sampled)
         # Before anything is measured, drafting everything is the first measurement.
-        seconds = curve.seconds if curve.measured else (lambda q: 1.0)
+        without_drafts = curve.seconds(batch) if curve.measured else 1.0
+
+        def seconds(q: int) -> float:
+            return check.step_seconds(without_drafts, curve.seconds(q)) if curve.measured else 1.0
+
         rate = self.tokens_per_second(batch, sampled) if curve.measured else None
         # The heads' time this step is spent whatever is sent: it does not enter the plan.
         best = plan_drafts(keep, seconds, tokens_per_second=rate)
-        key = StepCosts.key(batch, sampled)
         self._plans[key] = self._plans.get(key, 0) + 1
         explored = curve.measured and self._plans[key] % self.explore_every == 0
         plan = best
@@ -374,16 +408,20 @@ class DraftPlanner:
             # What drafting added at all: the best plan against sending nothing.
             self._proposal_gain = ((batch, sampled), worth(best) - worth(plan_drafts([[] for _ in keep], seconds,
                                                                         tokens_per_second=rate)))
-        for req, c, n in zip(req_ids, candidates, plan.lengths):
+        for req, c, n, chances in zip(req_ids, candidates, plan.lengths, predicted):
             if c is not None and n:
-                self._sent[req] = _Sent(c, n)
+                self._sent[req] = _Sent(c, n, tuple(chances[:n]))
+        if plan.draft_tokens and curve.measured:
+            self._sent_step = _SentStep(key, batch, without_drafts,
+                                        curve.seconds(batch + plan.draft_tokens) - without_drafts)
         proposal = self._gate(self._proposal_gates, batch, sampled)
         self.last = PlannerLog(batch, sampled, plan.draft_tokens, plan.expected_tokens, plan.seconds,
                                curve.seconds(batch) or 0.0, explored, rate,
                                heads.gain.value if heads.gain.samples else None,
                                rate * heads.seconds.value if heads.gain.samples and rate is not None else None,
                                proposal.gain.value if proposal.gain.samples else None,
-                               rate * proposal.seconds.value if proposal.gain.samples and rate is not None else None)
+                               rate * proposal.seconds.value if proposal.gain.samples and rate is not None else None,
+                               check.describe())
         return plan.lengths
 
     def keep_probs(self, candidate: Candidate) -> list[float]:
@@ -397,18 +435,18 @@ class DraftPlanner:
         last = self.last
         kind = "with sampled requests" if last.sampled else "greedy"
         rate = "not yet measured" if last.tokens_per_second is None else f"{last.tokens_per_second:.1f} tokens/s"
-        heads = ""
+        why = "" if last.check is None else f"; what sent drafts did against their predictions: {last.check}"
         if last.heads_gain is not None and last.heads_cost is not None:
-            heads = (f"; the heads' drafts add {last.heads_gain:.2f} tokens a run against {last.heads_cost:.2f} made "
-                     f"in their own time ({'running' if last.heads_gain > last.heads_cost else 'resting'})")
+            why += (f"; the heads' drafts add {last.heads_gain:.2f} tokens a run against {last.heads_cost:.2f} made "
+                    f"in their own time ({'running' if last.heads_gain > last.heads_cost else 'resting'})")
         if last.proposal_gain is not None and last.proposal_cost is not None:
-            heads += (f"; any drafts add {last.proposal_gain:.2f} tokens a proposal against {last.proposal_cost:.2f} "
-                      f"made in its own time ({'proposing' if last.proposal_gain > last.proposal_cost else 'resting'})")
+            why += (f"; any drafts add {last.proposal_gain:.2f} tokens a proposal against {last.proposal_cost:.2f} "
+                    f"made in its own time ({'proposing' if last.proposal_gain > last.proposal_cost else 'resting'})")
         if not last.draft_tokens:
             return (f"{last.batch_size} running requests ({kind}, engine at {rate}): drafting nothing; a step without "
                     f"drafts is measured at {1e3 * last.seconds_without_drafts:.1f} ms and no draft was expected to "
-                    f"pay for the time it adds{heads}")
+                    f"pay for the time it adds{why}")
         return (f"{last.batch_size} running requests ({kind}, engine at {rate}): drafting {last.draft_tokens} tokens "
                 f"({last.draft_tokens / last.batch_size:.2f} per request{', exploring' if last.explored else ''}), "
                 f"expected {last.expected_tokens / last.batch_size:.2f} tokens per request in a step predicted at "
-                f"{1e3 * last.seconds:.1f} ms (without drafts {1e3 * last.seconds_without_drafts:.1f} ms){heads}")
+                f"{1e3 * last.seconds:.1f} ms (without drafts {1e3 * last.seconds_without_drafts:.1f} ms){why}")
