@@ -39,16 +39,17 @@ BUCKETS = {
 }
 
 
-CONFIG_NAMES = "none, ngram-kN, mtpspec-kN or default-kN (N draft tokens)"
+CONFIG_NAMES = "none, ngram-kN, mtpspec-kN, default-kN or idle-kN (N draft tokens)"
 
 
 def speculative_config(name: str) -> dict | None:
     """none | ngram-kN | mtpspec-kN (the shipped heads alone, prompt lookup off) | default-kN
-    (heads and prompt lookup): the configs of `mtpspec bench`'s own rows of those names."""
+    (heads and prompt lookup): the configs of `mtpspec bench`'s own rows of those names;
+    idle-kN: default-kN's engine with a proposer that never proposes (see _never_propose)."""
     if name == "none":
         return None
     family, _, k = name.rpartition("-k")
-    if not k.isdigit() or family not in ("ngram", "mtpspec", "default"):
+    if not k.isdigit() or family not in ("ngram", "mtpspec", "default", "idle"):
         raise SystemExit(f"--configs: {name!r}: give {CONFIG_NAMES}")
     from vllm_mtpspec.bench.methods import build_methods
     from vllm_mtpspec.cli import shipped_heads_dir
@@ -56,13 +57,23 @@ def speculative_config(name: str) -> dict | None:
     method, = build_methods(["ngram" if family == "ngram" else "mtpspec-chain"], model_dir="",
                             heads_dirs=[str(shipped_heads_dir())], num_heads=[int(k)], quants=["fp"], tree="chain",
                             work_dir=Path(tempfile.gettempdir()), num_spec_tokens=int(k),
-                            lookups=[family == "default"])
+                            lookups=[family in ("default", "idle")])
     return method.speculative_config
 
 
+def _never_propose() -> None:
+    """idle-kN: what speculation costs where it sends nothing. vLLM still runs its
+    speculative paths and mtpspec's runner hooks still capture every step's states; only
+    the proposal itself (lookup, heads, planner) is skipped."""
+    from vllm_mtpspec.vllm.proposer import MTPSpecProposer
+
+    MTPSpecProposer.propose = lambda self, sampled_token_ids, *args, **kwargs: [[] for _ in sampled_token_ids]
+
+
 def profile_one(config: str, batch_size: int, num_prompts: int, max_new_tokens: int, temperature: float,
-                out: Path) -> None:
-    """Runs in a child process: one engine, its decode profiled, the stats dumped to out."""
+                out: Path, profile: bool = True) -> None:
+    """Runs in a child process: one engine, its decode profiled (unless not profile), the
+    stats dumped to out."""
     import cProfile
     import time
 
@@ -70,18 +81,22 @@ def profile_one(config: str, batch_size: int, num_prompts: int, max_new_tokens: 
 
     from vllm_mtpspec.bench.in_process import in_process_engine
 
+    if config.startswith("idle-"):
+        _never_propose()
     llm, groups = in_process_engine(batch_size, num_prompts=num_prompts, max_new_tokens=max_new_tokens,
                                     speculative_config=speculative_config(config))
     params = SamplingParams(temperature=temperature, max_tokens=max_new_tokens, ignore_eos=True)
     llm.generate(groups[0], params, use_tqdm=False)  # warm-up
     profiler = cProfile.Profile()
     started, tokens = time.perf_counter(), 0
-    profiler.enable()
+    if profile:
+        profiler.enable()
     for group in groups:
         tokens += sum(len(o.outputs[0].token_ids) for o in llm.generate(group, params, use_tqdm=False))
     profiler.disable()
     seconds = time.perf_counter() - started
-    profiler.dump_stats(str(out))
+    if profile:
+        profiler.dump_stats(str(out))
     out.with_suffix(".json").write_text(json.dumps(dict(tokens=tokens, seconds=seconds)))
 
 
@@ -159,11 +174,26 @@ def print_report(summary: dict[str, dict], comparisons: dict[str, list[dict]], c
                   f"{row['calls_base']:.1f} -> {row['calls']:.1f})  {row['function']}")
 
 
+def report_timings(runs: dict[str, list[dict]], configs: list[str], json_path: Path, header: dict) -> None:
+    """--no-profile: tokens/s per configuration and round, and each round's ratio to the
+    first configuration's in the same round (the rounds take turns, so a ratio compares
+    engines that ran minutes apart at most)."""
+    rates = {c: [run["tokens"] / run["seconds"] for run in runs[c]] for c in configs}
+    ratios = {c: [mine / base for mine, base in zip(rates[c], rates[configs[0]])] for c in configs}
+    print(f"\ntokens/s and ratio to {configs[0]}, per round:")
+    for c in configs:
+        print(f"  {c}: " + ", ".join(f"{rate:.1f} ({ratio:.3f}x)" for rate, ratio in zip(rates[c], ratios[c]))
+              + f"; median ratio {statistics.median(ratios[c]):.3f}x")
+    json_path.write_text(json.dumps(dict(**header, configs=configs, tokens_per_s=rates, ratios=ratios,
+                                         median_ratio={c: statistics.median(ratios[c]) for c in configs}), indent=1))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--configs", default="none,mtpspec-k1,mtpspec-k3",
-                        help="comma-separated: none, ngram-kN, mtpspec-kN (heads alone), default-kN; the first is "
-                             "the one the others are compared with")
+                        help="comma-separated: none, ngram-kN, mtpspec-kN (heads alone), default-kN, idle-kN "
+                             "(default-kN's engine, never proposing); the first is the one the others are "
+                             "compared with")
     parser.add_argument("--batch-size", type=int, default=1)
     parser.add_argument("--num-prompts", type=int, default=16)
     parser.add_argument("--max-new-tokens", type=int, default=64)
@@ -171,12 +201,15 @@ def main() -> None:
                         "--max-new-tokens tokens)")
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--top", type=int, default=12, help="functions listed per comparison")
+    parser.add_argument("--no-profile", action="store_true", help="time the configurations without the "
+                        "profiler (which slows Python code): report each one's tokens/s and its ratio to the first's, "
+                        "per round")
     parser.add_argument("--json", required=True)
     parser.add_argument("--child", nargs=2, metavar=("CONFIG", "OUT"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
         profile_one(args.child[0], args.batch_size, args.num_prompts, args.max_new_tokens, args.temperature,
-                    Path(args.child[1]))
+                    Path(args.child[1]), profile=not args.no_profile)
         return
     configs = args.configs.split(",")
     for config in configs:
@@ -188,19 +221,24 @@ def main() -> None:
                 out = Path(folder) / f"{config}_{r}.prof"
                 subprocess.run([sys.executable, __file__, "--child", config, str(out), "--batch-size",
                                 str(args.batch_size), "--num-prompts", str(args.num_prompts), "--max-new-tokens",
-                                str(args.max_new_tokens), "--temperature", str(args.temperature), "--json", args.json],
+                                str(args.max_new_tokens), "--temperature", str(args.temperature), "--json", args.json]
+                               + (["--no-profile"] if args.no_profile else []),
                                check=True, stdout=subprocess.DEVNULL)
                 timing = json.loads(out.with_suffix(".json").read_text())
-                runs[config].append(dict(per_step(out), **timing))
-                print(f"round {r + 1}, {config}: {timing['tokens'] / timing['seconds']:.1f} tokens/s, "
-                      f"{runs[config][-1]['steps']} steps", flush=True)
+                runs[config].append(timing if args.no_profile else dict(per_step(out), **timing))
+                print(f"round {r + 1}, {config}: {timing['tokens'] / timing['seconds']:.1f} tokens/s"
+                      + ("" if args.no_profile else f", {runs[config][-1]['steps']} steps"), flush=True)
+    from vllm_mtpspec.bench.command import _cpu_name
+
+    machine = dict(machine=f"{_cpu_name()}, {os.cpu_count()} CPUs")
+    if args.no_profile:
+        report_timings(runs, configs, Path(args.json), dict(**machine, batch_size=args.batch_size,
+                                                           temperature=args.temperature, rounds=args.rounds))
+        return
     summary = summarize(runs)
     comparisons = largest_increases(summary, configs, args.top)
     print_report(summary, comparisons, configs, f"median of {args.rounds} rounds, batch {args.batch_size}, "
                  f"T={args.temperature}")
-    from vllm_mtpspec.bench.command import _cpu_name
-
-    machine = dict(machine=f"{_cpu_name()}, {os.cpu_count()} CPUs")
     for entry in summary.values():  # only what the tables read: the full profiles are large
         entry.pop("functions")
     Path(args.json).write_text(json.dumps(dict(**machine, batch_size=args.batch_size, temperature=args.temperature,
