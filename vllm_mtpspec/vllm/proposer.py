@@ -404,7 +404,9 @@ class MTPSpecProposer:
         """Each chain cut to what its request may still make. The next step emits one token
         whatever is kept, so a request that has made `made` of its max_tokens can keep at
         most max_tokens - made - 1 drafts; vLLM verifies any further ones for nothing (its
-        scheduler does not cut drafts at max_tokens)."""
+        scheduler does not cut drafts at max_tokens). Where vLLM's async scheduling counts
+        drafts not yet verified among those made, the cut comes early: a few drafts fewer
+        at a request's end, never a different token."""
         if self._budget is None:
             return chains
         cut = {}
