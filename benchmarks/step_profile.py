@@ -13,6 +13,13 @@ not the native matrix products: read the Python buckets as upper bounds.
 
     python benchmarks/step_profile.py --configs none,mtpspec-k1,mtpspec-k3,ngram-k3 --batch-size 1 \\
         --num-prompts 8 --rounds 2 --json benchmarks/results/step_profile_batch1_avx2.json
+
+With --no-profile the configurations are only timed, each round's tokens/s as a ratio to the
+first configuration's; idle-kN (the default engine, never proposing) then says what carrying
+speculation costs where nothing is sent:
+
+    python benchmarks/step_profile.py --configs none,idle-k3,default-k3 --batch-size 4 --temperature 0.7 \\
+        --rounds 4 --no-profile --json benchmarks/results/step_timing_idle_batch4_t07_avx2.json
 """
 from __future__ import annotations
 

@@ -6,8 +6,9 @@ least measured (a calibration bin or a lookup depth still near its prior, a poin
 cost curve measured a few times on a fast stretch). So what it sent keeps fewer tokens,
 and costs more time, than it predicted: in all seven planner traces kept in
 benchmarks/results (two CPUs, batches 4 to 32, greedy and sampled), the drafts sent kept
-4-27% fewer tokens than predicted and added 2-18% more time (once 117%, on a busy
-stretch). A planner that trusts its predictions drafts where drafting does not pay.
+4-27% fewer tokens than predicted and added 3-16% more time (once twice as much;
+benchmarks/RESULTS.md, "The planner checks its own predictions"). A planner that
+trusts its predictions drafts where drafting does not pay.
 
 PlanCheck measures, per kind of batch, the tokens the sent drafts really kept against
 those predicted, and the time they really added to the step against the time predicted,
