@@ -377,11 +377,11 @@ class DraftPlanner:
         predicted = [self.keep_probs(c) if c is not None else [] for c in candidates]
         keep = [[check.kept_chance(p) for p in probs] for probs in predicted]
         curve = self.costs.curve(batch, sampled)
-        # Before anything is measured, drafting everything is the first measurement.
-        without_drafts = curve.seconds(batch) if curve.measured else 1.0
+        without_drafts = curve.seconds(batch)  # None before anything is measured
 
         def seconds(q: int) -> float:
-            return check.step_seconds(without_drafts, curve.seconds(q)) if curve.measured else 1.0
+            # Before anything is measured, drafting everything is the first measurement.
+            return 1.0 if without_drafts is None else check.step_seconds(without_drafts, curve.seconds(q))
 
         rate = self.tokens_per_second(batch, sampled) if curve.measured else None
         # The heads' time this step is spent whatever is sent: it does not enter the plan.
@@ -411,12 +411,12 @@ class DraftPlanner:
         for req, c, n, chances in zip(req_ids, candidates, plan.lengths, predicted):
             if c is not None and n:
                 self._sent[req] = _Sent(c, n, tuple(chances[:n]))
-        if plan.draft_tokens and curve.measured:
+        if plan.draft_tokens and without_drafts is not None:
             self._sent_step = _SentStep(key, batch, without_drafts,
                                         curve.seconds(batch + plan.draft_tokens) - without_drafts)
         proposal = self._gate(self._proposal_gates, batch, sampled)
         self.last = PlannerLog(batch, sampled, plan.draft_tokens, plan.expected_tokens, plan.seconds,
-                               curve.seconds(batch) or 0.0, explored, rate,
+                               without_drafts or 0.0, explored, rate,
                                heads.gain.value if heads.gain.samples else None,
                                rate * heads.seconds.value if heads.gain.samples and rate is not None else None,
                                proposal.gain.value if proposal.gain.samples else None,
