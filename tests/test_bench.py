@@ -263,3 +263,31 @@ def test_pacing_rows_ask_for_their_pacing(tmp_path):
     assert [m.name for m in methods] == ["mtpspec-chain k=3 +lookup", "mtpspec-chain k=3 +lookup paced-never"]
     assert "pace_cohorts" not in methods[0].speculative_config
     assert methods[1].speculative_config["pace_cohorts"] == "never"
+
+
+def test_backoff_start_rows_ask_for_their_start(tmp_path):
+    methods = build_methods(["mtpspec-chain"], model_dir="m", heads_dirs=["h"], num_heads=[3], quants=["fp"],
+                            tree="consensus", work_dir=tmp_path, draft_sizes=["planned"], backoff_starts=[None, 1])
+    assert [m.name for m in methods] == ["mtpspec-chain k=3 +lookup planned-size",
+                                         "mtpspec-chain k=3 +lookup planned-size from-batch-1"]
+    assert "batch_backoff_start" not in methods[0].speculative_config
+    assert methods[1].speculative_config["batch_backoff_start"] == 1
+
+
+def test_backoff_start_flag_refuses_what_is_not_a_batch_size():
+    from vllm_mtpspec.bench.command import _backoff_starts
+
+    assert _backoff_starts("default,1,4") == [None, 1, 4]
+    for bad in ("0", "two", "-1"):
+        with pytest.raises(SystemExit, match="--backoff-start"):
+            _backoff_starts(bad)
+
+
+def test_a_methods_note_names_it_once(tmp_path):
+    from vllm_mtpspec.bench.report import markdown
+
+    methods = build_methods(["none-again"], model_dir="m", heads_dirs=["h"], num_heads=[3], quants=["fp"],
+                            tree="consensus", work_dir=tmp_path)
+    table = markdown([], methods, [], "## test")
+    assert "none (again): a second engine without speculation" in table
+    assert "none (again): none (again)" not in table

@@ -62,6 +62,10 @@ def add_parser(sub) -> None:
                         "a batch whose requests started together lets only the requests that have made the fewest "
                         "tokens draft (pace_cohorts; default: in batches with a sampled request, and greedy ones "
                         "of 16 requests or more); one row each")
+    p.add_argument("--backoff-start", default="default",
+                   help="default or batch sizes, comma-separated: from how many running requests the draft-size "
+                        "rule acts (batch_backoff_start; default: the platform's, 4 on CPUs, 16 elsewhere); 1 lets "
+                        "the planner plan a lone request's every step; one row each")
     p.add_argument("--draft-dtype", default="auto",
                    help="auto, model, bfloat16, float16, float32, int8 or a comma-separated mix: the dtype mtpspec's "
                         "heads draft in (auto: bf16 for an fp32 model on a CPU with native bf16, int8 on other CPUs, "
@@ -87,6 +91,18 @@ def _choices(text: str, allowed: tuple[str, ...], flag: str) -> list[str]:
     if unknown or not chosen:
         raise SystemExit(f"{flag}: {text!r}: choose from {', '.join(allowed)} (comma-separated)")
     return chosen
+
+
+def _backoff_starts(text: str) -> list[int | None]:
+    starts: list[int | None] = []
+    for item in (x.strip() for x in text.split(",") if x.strip()):
+        if item == "default":
+            starts.append(None)
+        elif item.isdigit() and int(item) >= 1:
+            starts.append(int(item))
+        else:
+            raise SystemExit(f"--backoff-start: {item!r}: give 'default' or a batch size of 1 or more (comma-separated)")
+    return starts or [None]
 
 
 def _ints(text: str) -> list[int]:
@@ -116,7 +132,8 @@ def run(args) -> int:
                             lookups=[x == "on" for x in _choices(args.prompt_lookup, ("off", "on"), "--prompt-lookup")],
                             draft_sizes=_choices(args.draft_size, DRAFT_SIZES, "--draft-size"),
                             draft_dtypes=_choices(args.draft_dtype, DRAFT_DTYPES, "--draft-dtype"),
-                            pacings=_choices(args.pace_cohorts, ("default",) + PACE_COHORTS, "--pace-cohorts"))
+                            pacings=_choices(args.pace_cohorts, ("default",) + PACE_COHORTS, "--pace-cohorts"),
+                            backoff_starts=_backoff_starts(args.backoff_start))
     engine = engine_settings(max(batch_sizes), args.max_prompt_tokens, args.max_new_tokens,
                              _kv_bytes_per_token(model, args.dtype), dtype=args.dtype)
     print(f"{len(prompts)} prompts ({', '.join(sorted({p.category for p in prompts}))}), methods: "

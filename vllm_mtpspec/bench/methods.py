@@ -12,7 +12,9 @@
   the fixed batch back-off (fixed), learned (adaptive) or planned per request from
   measured step costs (planned), per draft dtype (the platform's choice, "auto", by
   default), and per pacing of batches that started together (pace_cohorts: the
-  default, or never, sampled or always).
+  default, or never, sampled or always), and per batch size from which the draft-size
+  rule acts (batch_backoff_start: the platform's, or a number; at 1 the planner plans
+  every step of a lone request).
 """
 from __future__ import annotations
 
@@ -41,7 +43,8 @@ def build_methods(names: list[str], *, model_dir: str, heads_dirs: list[str], nu
                   tree: str, work_dir: Path, max_tree_nodes: list[int] = (8,), num_spec_tokens: int = 3,
                   draft_layers: int = 6, lookups: list[bool] = (True,),
                   draft_sizes: list[str] = ("default",), draft_dtypes: list[str] = ("auto",),
-                  pacings: list[str] = ("default",)) -> list[Method]:
+                  pacings: list[str] = ("default",),
+                  backoff_starts: list[int | None] = (None,)) -> list[Method]:
     unknown = [n for n in names if n not in KNOWN_METHODS]
     if unknown:
         raise ValueError(f"--methods: unknown {unknown}; choose from {', '.join(KNOWN_METHODS)}")
@@ -51,7 +54,7 @@ def build_methods(names: list[str], *, model_dir: str, heads_dirs: list[str], nu
             methods.append(Method("none", name, None))
         elif name == "none-again":
             methods.append(Method("none (again)", name, None,
-                                  notes={"noise": "none (again): a second engine without speculation; its speed-up "
+                                  notes={"noise": "a second engine without speculation; its speed-up "
                                                   "over none is this run's noise"}))
         elif name == "ngram":
             methods.append(Method("ngram", name, {"method": "ngram", "num_speculative_tokens": num_spec_tokens,
@@ -75,8 +78,8 @@ def build_methods(names: list[str], *, model_dir: str, heads_dirs: list[str], nu
                 heads_tag = _heads_tag(heads_dir, several=len(heads_dirs) > 1)
                 budgets = [None] if method_tree == "chain" else max_tree_nodes
                 for k, budget in itertools.product(num_heads, budgets):
-                    for lookup, draft_size, dtype, paced in itertools.product(lookups, draft_sizes, draft_dtypes,
-                                                                              pacings):
+                    for lookup, draft_size, dtype, paced, start in itertools.product(
+                            lookups, draft_sizes, draft_dtypes, pacings, backoff_starts):
                         config = {"method": "mtpspec", "model": heads, "num_speculative_tokens": k,
                                   "tree": method_tree}
                         label = f"mtpspec-chain k={k}"
@@ -96,6 +99,9 @@ def build_methods(names: list[str], *, model_dir: str, heads_dirs: list[str], nu
                         if paced != "default":
                             config["pace_cohorts"] = paced
                             label += f" paced-{paced}"
+                        if start is not None:
+                            config["batch_backoff_start"] = start
+                            label += f" from-batch-{start}"
                         methods.append(Method(label + heads_tag + ("" if quant == "fp" else " int2"), name, config))
     return methods
 
