@@ -150,3 +150,20 @@ def test_draft_size_rules_and_their_conflicts_are_named():
         SpecOptions(adaptive_draft_size=True, draft_size="planned")
     with pytest.raises(ConfigError, match="draft_size='planned' plans chains, and tree='dynamic' was asked"):
         SpecOptions(draft_size="planned", tree="dynamic")
+
+
+def test_a_directory_written_before_head_kinds_and_draft_vocabularies_loads_as_it_did(heads_dir, tiny_model):
+    """config.json files from before `head_kind`, `block` and `draft_vocab_size` existed
+    (heads v5 and earlier) still load as the parallel heads over the whole vocabulary."""
+    before = load_heads(heads_dir)
+    config_path = heads_dir / "config.json"
+    config = json.loads(config_path.read_text())
+    old = {k: v for k, v in config.items() if k not in ("head_kind", "block", "draft_vocab_size")}
+    assert old != config
+    config_path.write_text(json.dumps(old))
+    loaded = load_heads(heads_dir)
+    assert type(loaded) is MTPHeads and loaded.config.head_kind == "parallel"
+    assert loaded.config.draft_vocab_size == 0 and loaded.draft_vocab is None
+    h = torch.randn(3, 64)
+    lm_head = tiny_model.get_output_embeddings()
+    torch.testing.assert_close(loaded(h, lm_head=lm_head), before(h, lm_head=lm_head))

@@ -62,7 +62,8 @@ def test_a_damaged_id_map_is_refused_naming_the_file_and_the_field(heads, tmp_pa
     weights = out / "heads.safetensors"
     state = load_file(str(weights))
     for bad, reason in ((torch.tensor([3] * 32), "holds an id more than once"),
-                        (torch.arange(240, 272), "holds ids outside the target's vocabulary 0..255")):
+                        (torch.arange(240, 272), "holds ids outside the target's vocabulary 0..255"),
+                        (torch.arange(32, dtype=torch.int32), r"must be a 1-D int64 tensor, not torch.int32")):
         save_file({**state, "draft_token_ids": bad}, str(weights))
         with pytest.raises(HeadsError, match=f"heads.safetensors: the draft vocabulary's id map draft_token_ids {reason}"):
             load_heads(out)
@@ -71,6 +72,21 @@ def test_a_damaged_id_map_is_refused_naming_the_file_and_the_field(heads, tmp_pa
     config = json.loads((out / "config.json").read_text())
     (out / "config.json").write_text(json.dumps({**config, "draft_vocab_size": 64}))
     with pytest.raises(HeadsError, match=r"'draft_token_ids' has shape \(32,\).*draft_vocab_size=64"):
+        load_heads(out)
+
+
+def test_an_id_map_without_its_size_or_a_size_without_its_map_is_refused_naming_the_field(heads, tmp_path):
+    out = save_heads(heads.with_draft_vocab(torch.arange(32)), tmp_path / "dv")
+    weights, config_path = out / "heads.safetensors", out / "config.json"
+    config = json.loads(config_path.read_text())
+    config_path.write_text(json.dumps({**config, "draft_vocab_size": 0}))
+    with pytest.raises(HeadsError, match=r"heads.safetensors does not match .*config.json: .*unexpected tensors "
+                                         r"\['draft_token_ids'\].*draft_vocab_size"):
+        load_heads(out)
+    config_path.write_text(json.dumps(config))
+    state = load_file(str(weights))
+    save_file({k: v for k, v in state.items() if k != "draft_token_ids"}, str(weights))
+    with pytest.raises(HeadsError, match=r"missing tensors \['draft_token_ids'\].*draft_vocab_size"):
         load_heads(out)
 
 

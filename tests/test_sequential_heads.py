@@ -145,13 +145,25 @@ def test_sequential_heads_save_load_quantize_and_cast(tensors, tmp_path):
     torch.testing.assert_close(half.draft_logits(*args), heads.draft_logits(*args), rtol=2e-2, atol=2e-2)
 
 
-def test_a_directory_whose_kind_disagrees_with_its_weights_is_refused(tmp_path):
+@pytest.mark.parametrize("kind", ["parallel", "sequential"])
+def test_the_storage_dtype_is_read_for_every_head_kind(kind, tmp_path):
+    """What `heads draft-vocab` keeps its copy in: an fp16 directory must stay fp16."""
+    from vllm_mtpspec.checkpoint import stored_dtype
+
+    heads = make_heads(kind=kind)
+    assert stored_dtype(save_heads(heads.float(), tmp_path / "fp32")) == torch.float32
+    assert stored_dtype(save_heads(heads.half(), tmp_path / "fp16")) == torch.float16
+    assert stored_dtype(save_heads(heads.float().quantized(group_size=16), tmp_path / "int2")) is None
+
+
+@pytest.mark.parametrize("saved, claimed", [("sequential", "parallel"), ("parallel", "sequential")])
+def test_a_directory_whose_kind_disagrees_with_its_weights_is_refused(saved, claimed, tmp_path):
     import json
 
-    out = save_heads(make_heads().float(), tmp_path / "seq")
+    out = save_heads(make_heads(kind=saved).float(), tmp_path / saved)
     config = json.loads((out / "config.json").read_text())
-    (out / "config.json").write_text(json.dumps({**config, "head_kind": "parallel"}))
-    with pytest.raises(HeadsError, match=r"seq/heads.safetensors.*head_kind"):
+    (out / "config.json").write_text(json.dumps({**config, "head_kind": claimed}))
+    with pytest.raises(HeadsError, match=rf"{saved}/heads.safetensors.*head_kind"):
         load_heads(out)
 
 

@@ -92,8 +92,8 @@ def load_heads(heads_dir: str | Path, *, device: str | torch.device = "cpu", dty
     if missing or unexpected:
         raise HeadsError(
             f"{weights_path} does not match {path / CONFIG_FILE}: missing tensors {missing}, "
-            f"unexpected tensors {unexpected} (head_kind, num_heads, tied, mlp_size, block.feature_layers or "
-            "quantization disagree)"
+            f"unexpected tensors {unexpected} (head_kind, num_heads, tied, mlp_size, block.feature_layers, "
+            "draft_vocab_size or quantization disagree)"
         )
     for name, tensor in state.items():
         if tuple(tensor.shape) != tuple(expected[name].shape):
@@ -118,8 +118,9 @@ def load_heads(heads_dir: str | Path, *, device: str | torch.device = "cpu", dty
 def stored_dtype(heads_dir: str | Path) -> torch.dtype | None:
     """The dtype the heads' floating-point weights are stored in (None: INT2 codes)."""
     with safe_open(str(Path(heads_dir) / WEIGHTS_FILE), framework="pt") as f:
-        # The first matrix of each head kind: parallel heads' block, the draft block's fusion.
-        for name in ("block.weight", "fuse.weight"):
+        # The first matrix of each head kind: parallel heads' block, sequential heads' first
+        # depth, the draft block's fusion. INT2 heads store codes under other names.
+        for name in ("block.weight", "blocks.0.weight", "fuse.weight"):
             if name in f.keys():
                 return f.get_slice(name)[:1].dtype
         return None
