@@ -338,6 +338,80 @@ def test_served_drafts_follow_the_same_chain_as_the_reference_drafter():
         torch.testing.assert_close(probs[batch_index], torch.softmax(expected, -1))
 
 
+@torch.no_grad()
+def test_a_block_with_a_draft_vocabulary_drafts_the_whole_blocks_chain_among_its_tokens():
+    """Each depth picks its top-1 among the kept tokens and the next depth reads that
+    token's target id: the whole block, its logits masked to the kept tokens, drafts the
+    same chain, by the reference drafter and by the served contexts alike."""
+    import numpy as np
+
+    from vllm_mtpspec.drafter import BlockDrafter
+    from vllm_mtpspec.vllm.block_context import BlockContexts, ScheduledRows
+
+    block = make_block(num_heads=3).float()
+    ids = torch.randperm(VOCAB, generator=torch.Generator().manual_seed(3))[:20]  # not in id order
+    small = block.with_draft_vocab(ids)
+    features, embed, tokens = random_sequence(12)
+    features, embed, seq = features.float(), embed.float(), tokens[:13]  # each row produced the next token
+    lm_head = torch.randn(VOCAB, D)
+    model = SimpleModel(embed, lm_head)
+    outside = torch.ones(VOCAB, dtype=torch.bool)
+    outside[ids] = False
+
+    def drafted(drafter):
+        drafter.start()
+        drafter.observe(features[:-1], seq[1:-1])
+        return drafter.head_logits(features[-1:], seq[-1:])[0]
+
+    whole = BlockDrafter(block, model)
+    whole._project = lambda g: (g @ lm_head.T).masked_fill(outside, float("-inf"))
+    expected = drafted(whole)
+    got = drafted(BlockDrafter(small, model))
+    assert got.shape == (3, VOCAB)
+    torch.testing.assert_close(got, expected)
+    assert len(set(expected.argmax(-1).tolist())) > 1  # a chain that moves, so a wrong map would show
+    # Served: one prefill of the same rows, chains over the draft vocabulary's N entries.
+    contexts = BlockContexts(small, model.get_input_embeddings())
+    token_ids = np.zeros((1, 16), dtype=np.int64)
+    token_ids[0, :13] = seq.numpy()
+    rows = ScheduledRows(hidden_states=features, num_scheduled=[12], num_computed=[0])
+    newest = contexts.update(["a"], rows, [13], token_ids)
+    probs = contexts.chain_probs([0], newest, ["a"], 3, small.lm_head_for(lm_head), torch.ones(3), ids)
+    torch.testing.assert_close(probs[0], torch.softmax(expected[:, ids], -1))
+
+
+@torch.no_grad()
+def test_reference_decoding_with_a_draft_vocabulary_block_is_lossless(smollm2_fp32):
+    """A block drafting among a draft vocabulary on the real SmolLM2: the output is the
+    model's own, and every drafted token is one the vocabulary holds."""
+    from vllm_mtpspec.config import SpecOptions
+    from vllm_mtpspec.drafter import drafter_for
+    from vllm_mtpspec.prompts import apply_chat_template
+    from vllm_mtpspec.reference import ReferenceDecoder, plain_greedy
+
+    model, tokenizer = smollm2_fp32.model, smollm2_fp32.tokenizer
+    text = "Copy this list twice: apple, pear, plum, fig, lime, kiwi."
+    prompt = tokenizer.encode(apply_chat_template(tokenizer, text), add_special_tokens=False)
+    expected = plain_greedy(model, prompt, max_new_tokens=48, eos_token_ids=set())
+    # Most of the answer's tokens and a spread of others; a few of the answer's left out.
+    answer = sorted(set(expected))
+    ids = torch.tensor(sorted(set(answer[: -3]) | set(range(0, model.config.vocab_size, 17))))
+    block = tiny_block_for(model).with_draft_vocab(ids)
+    drafter = drafter_for(block, model)
+    drafted = []
+    draft = drafter.head_logits
+
+    def recording(hidden, root):
+        logits = draft(hidden, root)
+        drafted.extend(logits[0].argmax(-1).tolist())
+        return logits
+    drafter.head_logits = recording
+    result = ReferenceDecoder(model, drafter, SpecOptions()).decode(prompt, max_new_tokens=48)
+    assert result.tokens == expected
+    assert any(step.accepted_len > 2 for step in result.steps)
+    assert drafted and set(drafted) <= set(ids.tolist())
+
+
 class SimpleModel:
     """Just what a drafter reads from a Hugging Face model: its embedding and LM head."""
 
