@@ -184,12 +184,17 @@ def test_rows_of_several_heads_are_labelled_by_kind_draft_vocabulary_and_name(ti
 
     block = save_heads(init_draft_block(tiny_model, tiny_model_dir, num_heads=2), tmp_path / "b1")
     twin = save_heads(heads.with_draft_vocab(torch.arange(64)), tmp_path / "v6-small")  # same kind and vocabulary
-    dirs = [str(full), str(small), str(block), str(twin)]
+    from vllm_mtpspec.sequential_heads import SequentialHeads
+
+    hidden_token = init_heads(tiny_model, tiny_model_dir, num_heads=2, head_input="hidden+token", mlp_size=32)
+    sequential = save_heads(SequentialHeads.from_parallel(hidden_token), tmp_path / "s1")
+    dirs = [str(full), str(small), str(block), str(twin), str(sequential)]
     methods = build_methods(["mtpspec-chain"], model_dir="m", heads_dirs=dirs, num_heads=[2], quants=["fp"],
                             tree="consensus", work_dir=tmp_path)
     assert [m.name for m in methods] == ["mtpspec-chain k=2 +lookup [v5]", "mtpspec-chain k=2 +lookup vocab=64 [v5-small]",
                                          "mtpspec-chain k=2 +lookup block [b1]",
-                                         "mtpspec-chain k=2 +lookup vocab=64 [v6-small]"]
+                                         "mtpspec-chain k=2 +lookup vocab=64 [v6-small]",
+                                         "mtpspec-chain k=2 +lookup sequential [s1]"]
     assert [m.speculative_config["model"] for m in methods] == dirs
     alone = build_methods(["mtpspec-chain"], model_dir="m", heads_dirs=[str(small)], num_heads=[2], quants=["fp"],
                           tree="consensus", work_dir=tmp_path)
@@ -291,3 +296,16 @@ def test_a_methods_note_names_it_once(tmp_path):
     table = markdown([], methods, [], "## test")
     assert "none (again): a second engine without speculation" in table
     assert "none (again): none (again)" not in table
+
+
+def test_an_int2_row_the_heads_cannot_take_is_reported_not_run(tiny_model, tiny_model_dir, tmp_path):
+    """A draft block has no INT2 form: its INT2 row says so, and the other rows still run."""
+    from vllm_mtpspec.checkpoint import save_heads
+    from vllm_mtpspec.heads_init import init_draft_block
+
+    block = save_heads(init_draft_block(tiny_model, tiny_model_dir, num_heads=2), tmp_path / "b1")
+    methods = build_methods(["mtpspec-chain"], model_dir="m", heads_dirs=[str(block)], num_heads=[2],
+                            quants=["fp", "int2"], tree="consensus", work_dir=tmp_path)
+    assert [m.name for m in methods] == ["mtpspec-chain k=2 +lookup block", "mtpspec-chain k=2 +lookup block int2"]
+    assert methods[0].unavailable is None
+    assert "head_kind='attention'" in methods[1].unavailable and "parallel or sequential" in methods[1].unavailable

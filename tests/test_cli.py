@@ -160,3 +160,27 @@ def test_a_draft_block_is_made_inspected_and_scored_and_refused_where_it_cannot_
     printed = capsys.readouterr().out
     assert "22 positions" in printed and "[source with-context] rows 11" in printed
     assert "[source second-source] rows 11" in printed
+
+
+@pytest.mark.parametrize("kind", ["sequential", "attention"])
+def test_every_head_kind_is_inspected_and_cast(kind, tiny_smol_teacher, tmp_path, capsys):
+    import torch
+    from safetensors import safe_open
+
+    from vllm_mtpspec.checkpoint import load_heads
+
+    out = tmp_path / kind
+    assert main(["heads", "init", "--model", str(tiny_smol_teacher), "--kind", kind, "--num-heads", "3",
+                 "--head-input", "hidden+token", "--mlp-size", "64", "--out", str(out)]) == 0
+    capsys.readouterr()
+    assert main(["heads", "info", str(out), "--json"]) == 0
+    info = json.loads(capsys.readouterr().out)
+    assert info["head_kind"] == kind and info["num_heads"] == 3
+    assert info["parameters"] == sum(t.numel() for t in load_heads(out).state_dict().values())
+    assert main(["heads", "cast", str(out), "--out", str(tmp_path / "half")]) == 0
+    with safe_open(str(tmp_path / "half" / "heads.safetensors"), framework="pt") as f:
+        assert {f.get_tensor(name).dtype for name in f.keys()} == {torch.float16}
+    full, half = load_heads(out), load_heads(tmp_path / "half")
+    assert type(half) is type(full) and half.config.head_kind == kind
+    for name, tensor in full.state_dict().items():
+        torch.testing.assert_close(half.state_dict()[name], tensor.half().float())

@@ -74,7 +74,14 @@ def build_methods(names: list[str], *, model_dir: str, heads_dirs: list[str], nu
         else:
             method_tree = "chain" if name == "mtpspec-chain" else tree
             for heads_dir, quant in itertools.product(heads_dirs, quants):
-                heads = heads_dir if quant == "fp" else str(_int2_heads(heads_dir, work_dir))
+                heads, unavailable = heads_dir, None
+                if quant != "fp":
+                    from vllm_mtpspec.checkpoint import HeadsError
+
+                    try:
+                        heads = str(_int2_heads(heads_dir, work_dir))
+                    except HeadsError as err:  # these heads have no INT2 form: that row alone is not run
+                        unavailable = str(err)
                 heads_tag = _heads_tag(heads_dir, several=len(heads_dirs) > 1)
                 budgets = [None] if method_tree == "chain" else max_tree_nodes
                 for k, budget in itertools.product(num_heads, budgets):
@@ -102,7 +109,8 @@ def build_methods(names: list[str], *, model_dir: str, heads_dirs: list[str], nu
                         if start is not None:
                             config["batch_backoff_start"] = start
                             label += f" from-batch-{start}"
-                        methods.append(Method(label + heads_tag + ("" if quant == "fp" else " int2"), name, config))
+                        methods.append(Method(label + heads_tag + ("" if quant == "fp" else " int2"), name, config,
+                                              unavailable=unavailable))
     return methods
 
 
