@@ -412,6 +412,42 @@ def test_reference_decoding_with_a_draft_vocabulary_block_is_lossless(smollm2_fp
     assert drafted and set(drafted) <= set(ids.tolist())
 
 
+@torch.no_grad()
+def test_a_served_cache_that_ends_elsewhere_than_the_step_begins_is_cut_back_or_started_again():
+    """Preemption recomputes positions the cache holds: it is cut back to where the step
+    begins. A prefix-cache hit skips positions it never saw: it starts again there. Either
+    way a request drafts from what a cache of exactly the positions it was fed holds."""
+    import numpy as np
+
+    from vllm_mtpspec.vllm.block_context import BlockContexts, ScheduledRows
+
+    block = make_block(num_heads=2)
+    features, embed, tokens = random_sequence(12)
+    contexts = BlockContexts(block, torch.nn.Embedding.from_pretrained(embed))
+    token_ids = np.zeros((1, 20), dtype=np.int64)
+    token_ids[0, :16] = tokens.numpy()
+
+    def step(start: int, n: int) -> torch.Tensor:
+        """vLLM computes positions start .. start + n - 1, each producing a known token."""
+        rows = ScheduledRows(hidden_states=features[start:start + n], num_scheduled=[n], num_computed=[start])
+        return contexts.update(["a"], rows, [start + n + 1], token_ids)[0]
+
+    def fed_only(start: int, end: int) -> torch.Tensor:
+        """The output at position end - 1 of a cache fed positions start .. end - 1 alone."""
+        cache = block.empty_cache(dtype=torch.float64)
+        cache.start = start
+        return block.extend(cache, features[start:end], embed[tokens[start + 1:end + 1]])[-1]
+
+    torch.testing.assert_close(step(4, 4), fed_only(4, 8))       # a prefix-cache hit on positions 0-3
+    assert contexts.caches["a"].start == 4 and contexts.caches["a"].length == 8
+    torch.testing.assert_close(step(8, 2), fed_only(4, 10))      # decoding on from there
+    torch.testing.assert_close(step(6, 3), fed_only(4, 9))       # preempted: 6-9 computed again, cut back
+    assert contexts.caches["a"].length == 9
+    torch.testing.assert_close(step(2, 5), fed_only(2, 7))       # recomputed from before the cache began
+    torch.testing.assert_close(step(9, 2), fed_only(9, 11))      # positions 7-8 skipped: started again
+    assert contexts.caches["a"].start == 9
+
+
 class SimpleModel:
     """Just what a drafter reads from a Hugging Face model: its embedding and LM head."""
 

@@ -449,3 +449,29 @@ def test_no_request_is_sent_drafts_past_its_max_tokens(make_proposer, draft_size
         p.planner.plan = lambda req_ids, candidates, **k: [c.length if c is not None else 0 for c in candidates]
     drafts = p.propose([[1], [2], [3], [4]])
     assert [len(d) for d in drafts] == [3, 1, 0, 3]
+
+
+def test_a_block_reading_target_layers_asks_the_model_for_them_or_is_refused_naming_the_field():
+    """At the end of load_model: a model with vLLM's EAGLE-3 interface is told which layers'
+    input states to return; one without it refuses the heads at start-up."""
+    from vllm.model_executor.models.interfaces import SupportsEagle3
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    from vllm_mtpspec.vllm.hooks import install_layer_states_hook
+
+    install_layer_states_hook()
+
+    class Eagle3Model(SupportsEagle3):
+        def set_aux_hidden_state_layers(self, layers):
+            self.layers = layers
+
+    def runner(model, feature_layers):
+        return SimpleNamespace(drafter=SimpleNamespace(feature_layers=feature_layers), model=model,
+                               get_model=lambda: model, use_aux_hidden_state_outputs=False)
+
+    able = runner(Eagle3Model(), [2, 15])
+    GPUModelRunner._setup_eagle3_aux_hidden_state_outputs(able)
+    assert able.use_aux_hidden_state_outputs and able.model.layers == (2, 15)
+    with pytest.raises(RuntimeError, match=r"target layers \[2, 15\] \(block.feature_layers in the heads' "
+                                           r"config.json\), and object cannot return them"):
+        GPUModelRunner._setup_eagle3_aux_hidden_state_outputs(runner(object(), [2, 15]))

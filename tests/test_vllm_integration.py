@@ -488,20 +488,27 @@ def test_a_draft_blocks_caches_hold_every_accepted_position_and_nothing_else(mod
     monkeypatch.setattr(BlockContexts, "_cache_ending_at", recording_cache)
     monkeypatch.setattr(DraftBlock, "extend_many", recording_extend)
     monkeypatch.setattr(DraftBlock, "draft_chains", marked_drafting)
-    config = ENGINE if engine != "preempting" else {**ENGINE, "max_model_len": 256, "kv_cache_memory_bytes": 16 << 20,
-                                                     "block_size": 32}
+    # Blocks of 32 tokens, so these short prompts fill whole blocks, which are what a
+    # prefix-cache hit reuses (vLLM's CPU default is 128).
+    config = ({**ENGINE, "block_size": 32} if engine != "preempting" else
+              {**ENGINE, "max_model_len": 256, "kv_cache_memory_bytes": 16 << 20, "block_size": 32})
     from vllm import LLM
 
     llm = LLM(str(model_dir), **config, speculative_config={"method": "mtpspec", "model": str(block_dir),
                                                             "num_speculative_tokens": 3})
     prompts = chat_prompts(llm)
     outputs = greedy(llm)
+    prefix_cached = engine != "preempting"
+    # The same prompts again: their prefixes are cached now, so their caches begin past 0.
+    again = greedy(llm) if prefix_cached else outputs
     metrics = spec_metrics(llm)
     preemptions = sum(m.value for m in llm.get_metrics() if m.name == "vllm:num_preemptions")
+    prefix_hits = sum(m.value for m in llm.get_metrics() if m.name == "vllm:prefix_cache_hits")
     close(llm)
-    assert outputs == baseline
+    assert outputs == baseline and again == baseline
     assert metrics["vllm:spec_decode_num_accepted_tokens"] > 0  # steps that kept several rows
     assert (preemptions > 0) == (engine == "preempting")
+    assert prefix_hits > 0 or not prefix_cached
     target = load_target(str(model_dir), dtype="fp32")
     embed = target.model.get_input_embeddings().weight
     tokenizer = target.tokenizer
@@ -510,7 +517,8 @@ def test_a_draft_blocks_caches_hold_every_accepted_position_and_nothing_else(mod
     for req_id, start, states, embeds, layers in taken:
         tokens = [int((embed == e).all(-1).nonzero()[0]) for e in embeds]
         by_request.setdefault(req_id, []).append((start, states, tokens, layers))
-    assert len(by_request) == len(sequences)
+    assert len(by_request) == len(sequences) * (2 if prefix_cached else 1)
+    began_past_0 = 0
     for entries in by_request.values():
         # The last time a request's cache started (a preempted one starts again).
         restart = max(i for i, (start, *_) in enumerate(entries) if i == 0 or start < entries[i - 1][0] +
@@ -519,6 +527,7 @@ def test_a_draft_blocks_caches_hold_every_accepted_position_and_nothing_else(mod
         positions = [p for start, _, tokens, _ in entries for p in range(start, start + len(tokens))]
         produced = [t for _, _, tokens, _ in entries for t in tokens]
         first = positions[0]
+        began_past_0 += first > 0
         matches = [s for s in sequences if s[first + 1:first + 1 + len(produced)] == produced]
         assert len(matches) == 1, "the tokens beside the states are one request's own, in order"
         sequence = matches[0]
@@ -534,6 +543,7 @@ def test_a_draft_blocks_caches_hold_every_accepted_position_and_nothing_else(mod
             torch.testing.assert_close(recorded_layers, expected_layers, atol=2e-3, rtol=2e-3)
         else:
             assert all(layers is None for *_, layers in entries)
+    assert began_past_0 > 0 or not prefix_cached  # a prefix-cache hit did start a cache late
 
 
 def held_requests(worker) -> list[str]:
