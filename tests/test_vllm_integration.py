@@ -619,14 +619,33 @@ def sequential_heads_dir(heads_dir, tmp_path_factory):
     return save_heads(heads.with_draft_vocab(torch.arange(16384)), tmp_path_factory.mktemp("sequential"))
 
 
-@pytest.mark.parametrize("engine", ["chunked+prefix-cache", "preempting"])
-def test_sequential_heads_keep_greedy_output_unchanged(model_dir, sequential_heads_dir, baseline, engine):
+@pytest.fixture(scope="module")
+def sequential_int2_heads_dir(heads_dir, tmp_path_factory):
+    """The same sequential heads over the whole vocabulary, in INT2 (round to nearest)."""
+    import torch
+
+    from vllm_mtpspec.checkpoint import load_heads, save_heads
+    from vllm_mtpspec.sequential_heads import SequentialHeads
+
+    from vllm_mtpspec.config import HeadsConfig
+
+    seeded = SequentialHeads.from_parallel(load_heads(heads_dir, dtype=torch.float32))
+    heads = SequentialHeads(HeadsConfig.from_dict({**seeded.config.to_dict(), "draft_vocab_size": 0}))
+    heads.load_state_dict({k: v for k, v in seeded.state_dict().items() if k != "draft_token_ids"})
+    assert heads.draft_vocab is None
+    return save_heads(heads.quantized(group_size=64), tmp_path_factory.mktemp("sequential-int2"))
+
+
+@pytest.mark.parametrize("engine", ["chunked+prefix-cache", "preempting", "int2, whole vocabulary"])
+def test_sequential_heads_keep_greedy_output_unchanged(model_dir, sequential_heads_dir, sequential_int2_heads_dir,
+                                                       baseline, engine):
     from vllm import LLM
 
-    config = ENGINE if engine == "chunked+prefix-cache" else {**ENGINE, "max_model_len": 256,
-                                                                "kv_cache_memory_bytes": 16 << 20, "block_size": 32}
+    config = ENGINE if engine != "preempting" else {**ENGINE, "max_model_len": 256,
+                                                      "kv_cache_memory_bytes": 16 << 20, "block_size": 32}
+    heads = sequential_int2_heads_dir if engine.startswith("int2") else sequential_heads_dir
     llm = LLM(str(model_dir), **config, speculative_config={
-        "method": "mtpspec", "model": str(sequential_heads_dir), "num_speculative_tokens": 3, "prompt_lookup_max": 0,
+        "method": "mtpspec", "model": str(heads), "num_speculative_tokens": 3, "prompt_lookup_max": 0,
         "batch_backoff_start": 64})
     outputs = greedy(llm)
     preemptions = sum(m.value for m in llm.get_metrics() if m.name == "vllm:num_preemptions")
