@@ -309,3 +309,26 @@ def test_an_int2_row_the_heads_cannot_take_is_reported_not_run(tiny_model, tiny_
     assert [m.name for m in methods] == ["mtpspec-chain k=2 +lookup block", "mtpspec-chain k=2 +lookup block int2"]
     assert methods[0].unavailable is None
     assert "head_kind='attention'" in methods[1].unavailable and "parallel or sequential" in methods[1].unavailable
+
+
+def test_a_tree_row_the_heads_cannot_draft_is_reported_not_run(tiny_model, tiny_model_dir, tmp_path):
+    from vllm_mtpspec.checkpoint import save_heads
+    from vllm_mtpspec.heads_init import init_heads
+    from vllm_mtpspec.heads_init import init_draft_block
+    from vllm_mtpspec.sequential_heads import SequentialHeads
+
+    block = save_heads(init_draft_block(tiny_model, tiny_model_dir, num_heads=2), tmp_path / "b1")
+    hidden_token = init_heads(tiny_model, tiny_model_dir, num_heads=2, head_input="hidden+token", mlp_size=32)
+    sequential = save_heads(SequentialHeads.from_parallel(hidden_token), tmp_path / "s1")
+    for tree, expected in (("consensus", {"b1": "drafts chains only", "s1": "drafts chains and dynamic trees only"}),
+                           ("dynamic", {"b1": "drafts chains only", "s1": None})):
+        methods = build_methods(["mtpspec-chain", "mtpspec-tree"], model_dir="m",
+                                heads_dirs=[str(block), str(sequential)], num_heads=[2], quants=["fp"], tree=tree,
+                                work_dir=tmp_path)
+        chains, trees = methods[:2], methods[2:]
+        assert all(m.unavailable is None for m in chains)
+        for method, name in zip(trees, ("b1", "s1")):
+            if expected[name] is None:
+                assert method.unavailable is None
+            else:
+                assert f"{name}/config.json" in method.unavailable and expected[name] in method.unavailable

@@ -448,6 +448,18 @@ def test_a_served_cache_that_ends_elsewhere_than_the_step_begins_is_cut_back_or_
     assert contexts.caches["a"].start == 9
 
 
+def test_the_reference_decoder_refuses_a_tree_for_a_block(tiny_model, tiny_model_dir):
+    from vllm_mtpspec.config import SpecOptions
+    from vllm_mtpspec.drafter import BlockDrafter
+    from vllm_mtpspec.heads_init import init_draft_block
+    from vllm_mtpspec.reference import ReferenceDecoder
+
+    block = init_draft_block(tiny_model, tiny_model_dir, num_heads=2)
+    with pytest.raises(ConfigError, match=r"tree='dynamic': head_kind='attention' drafts chains only so far; "
+                                          r"use tree='chain'$"):
+        ReferenceDecoder(tiny_model, BlockDrafter(block, tiny_model), SpecOptions(tree="dynamic"))
+
+
 class SimpleModel:
     """Just what a drafter reads from a Hugging Face model: its embedding and LM head."""
 

@@ -196,6 +196,13 @@ def test_greedy_output_with_sequential_drafts_equals_the_model_alone(tiny_model,
         assert decoder.decode(prompt, max_new_tokens=40).tokens == expected
 
 
+@pytest.mark.parametrize("tree", ["consensus", "static"])
+def test_the_reference_decoder_refuses_a_tree_sequential_heads_cannot_draft(tiny_model, random_sequential, tree):
+    with pytest.raises(ConfigError, match=rf"tree={tree!r}: head_kind='sequential' drafts chains and dynamic trees "
+                                          r"only.*use tree='chain' or tree='dynamic'"):
+        ReferenceDecoder(tiny_model, HeadsDrafter(random_sequential, tiny_model), SpecOptions(tree=tree))
+
+
 @pytest.mark.parametrize("draft_vocab", [False, True])
 def test_greedy_output_with_grown_trees_of_sequential_heads_equals_the_model_alone(tiny_model, random_sequential,
                                                                                    draft_vocab):

@@ -28,6 +28,7 @@ class HeadsDrafter:
 
     def __init__(self, heads: MTPHeads, model) -> None:
         self.heads = heads
+        self.config = heads.config
         self.num_heads = heads.num_heads
         self._embed = model.get_input_embeddings()
         self._lm_head = model.get_output_embeddings()
@@ -63,6 +64,7 @@ class BlockDrafter:
 
     def __init__(self, block, model) -> None:
         self.block = block
+        self.config = block.config
         self.num_heads = block.num_heads
         # The rows it is given carry the states entering these layers too (layer_states.py).
         self.feature_layers = block.feature_layers

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from vllm_mtpspec.config import SpecOptions
+from vllm_mtpspec.config import ConfigError, SpecOptions
 from vllm_mtpspec.drafter import Drafter
 from vllm_mtpspec.layer_states import recording_layer_inputs, with_layer_states
 from vllm_mtpspec.lookup import lookup_draft
@@ -52,6 +52,10 @@ class ReferenceDecoder:
         self.depth = depth or options.num_speculative_tokens or drafter.num_heads
         if self.depth > drafter.num_heads:
             raise ValueError(f"depth {self.depth} > {drafter.num_heads} heads")
+        heads_config = getattr(drafter, "config", None)  # the heads' own (a test's stand-in may have none)
+        if heads_config is not None and (refusal := heads_config.tree_refusal(options.tree)) is not None:
+            raise ConfigError(f"tree={options.tree!r}: {refusal}; use tree='chain'"
+                              + (" or tree='dynamic'" if heads_config.grows_trees else ""))
         self.trees = DraftTreeBuilder(options.tree, self.depth, max_nodes=options.max_tree_nodes,
                                       min_path_prob=options.min_path_prob, dynamic_top_k=options.dynamic_top_k,
                                       rank_accuracy=options.head_rank_accuracy or rank_accuracy)

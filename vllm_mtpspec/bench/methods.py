@@ -82,7 +82,11 @@ def build_methods(names: list[str], *, model_dir: str, heads_dirs: list[str], nu
                         heads = str(_int2_heads(heads_dir, work_dir))
                     except HeadsError as err:  # these heads have no INT2 form: that row alone is not run
                         unavailable = str(err)
-                heads_tag = _heads_tag(heads_dir, several=len(heads_dirs) > 1)
+                config = _heads_config(heads_dir)
+                heads_tag = _heads_tag(heads_dir, config, several=len(heads_dirs) > 1)
+                # A tree these heads cannot draft: reported with the reason, as vLLM would refuse it.
+                refusal = config.tree_refusal(method_tree) if config is not None else None
+                unavailable = unavailable or (f"{heads_dir}/config.json: {refusal}" if refusal else None)
                 budgets = [None] if method_tree == "chain" else max_tree_nodes
                 for k, budget in itertools.product(num_heads, budgets):
                     for lookup, draft_size, dtype, paced, start in itertools.product(
@@ -114,16 +118,23 @@ def build_methods(names: list[str], *, model_dir: str, heads_dirs: list[str], nu
     return methods
 
 
-def _heads_tag(heads_dir: str, *, several: bool) -> str:
+def _heads_config(heads_dir: str):
+    """The directory's HeadsConfig, or None where it cannot be read here (the engine that
+    loads it reports why)."""
+    from vllm_mtpspec.checkpoint import HeadsError, read_heads_config
+
+    try:
+        return read_heads_config(heads_dir)
+    except HeadsError:
+        return None
+
+
+def _heads_tag(heads_dir: str, config, *, several: bool) -> str:
     """What tells rows of different heads apart: their kind (block, sequential) and draft
     vocabulary, and, when several heads are compared, the directory's name (two heads
     of one kind and vocabulary would otherwise share a label, and a row)."""
-    from vllm_mtpspec.checkpoint import HeadsError, read_heads_config
-
     name = f" [{Path(heads_dir).name}]" if several else ""
-    try:
-        config = read_heads_config(heads_dir)
-    except HeadsError:
+    if config is None:
         return name
     tag = {"attention": " block", "sequential": " sequential"}.get(config.head_kind, "")
     if config.feature_layers:
