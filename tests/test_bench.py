@@ -332,3 +332,18 @@ def test_a_tree_row_the_heads_cannot_draft_is_reported_not_run(tiny_model, tiny_
                 assert method.unavailable is None
             else:
                 assert f"{name}/config.json" in method.unavailable and expected[name] in method.unavailable
+
+
+def test_the_heads_memory_table_gives_untied_figures_for_parallel_heads_only(tiny_model, tiny_model_dir, tmp_path):
+    from vllm_mtpspec.bench.report import heads_memory
+    from vllm_mtpspec.checkpoint import save_heads
+    from vllm_mtpspec.heads_init import init_draft_block, init_heads
+
+    parallel = save_heads(init_heads(tiny_model, tiny_model_dir, num_heads=2), tmp_path / "p")
+    block = save_heads(init_draft_block(tiny_model, tiny_model_dir, num_heads=2), tmp_path / "b")
+    rows = heads_memory(str(parallel), str(tiny_model_dir), None)
+    assert [(r["heads"], r["quant"]) for r in rows] == [("tied", "fp"), ("untied", "fp")]
+    assert rows[1]["bytes"] == rows[0]["bytes"] + 2 * 2 * 64 * 256  # a 64 x 256 projection per head, 2 bytes each
+    rows = heads_memory(str(block), str(tiny_model_dir), None)
+    assert [(r["heads"], r["quant"]) for r in rows] == [("draft block", "fp")]
+    assert rows[0]["bytes"] == (block / "heads.safetensors").stat().st_size

@@ -62,8 +62,10 @@ def summarize(methods: list[Method], tallies: dict[tuple[str, int, float], Tally
 
 
 def heads_memory(heads_dir: str, model_dir: str, int2_dir: str | None) -> list[dict]:
-    """Bytes of the heads against the model's weights; untied figures add one vocab
-    projection per head (2 bytes per weight in FP, 2.5 bits in INT2 with group size 64)."""
+    """Bytes of the heads against the model's weights. For parallel heads, untied figures
+    add one vocab projection per head (2 bytes per weight in FP, 2.5 bits in INT2 with
+    group size 64), what Medusa-style heads would weigh; sequential heads and a draft
+    block are tied only, so their own bytes are all there is."""
     from vllm_mtpspec.checkpoint import read_heads_config
 
     config = read_heads_config(heads_dir)
@@ -71,9 +73,13 @@ def heads_memory(heads_dir: str, model_dir: str, int2_dir: str | None) -> list[d
     tied_fp = (Path(heads_dir) / "heads.safetensors").stat().st_size
     tied_int2 = (Path(int2_dir) / "heads.safetensors").stat().st_size if int2_dir else None
     projection = config.num_heads * config.hidden_size * config.vocab_size
-    rows = [("tied", "fp", tied_fp), ("untied", "fp", tied_fp + projection * 2)]
-    if tied_int2 is not None:
-        rows += [("tied", "int2", tied_int2), ("untied", "int2", tied_int2 + int(projection * 2.5 / 8))]
+    if config.head_kind != "parallel":
+        kind = {"attention": "draft block"}.get(config.head_kind, config.head_kind)
+        rows = [(kind, "fp", tied_fp)] + ([(kind, "int2", tied_int2)] if tied_int2 is not None else [])
+    else:
+        rows = [("tied", "fp", tied_fp), ("untied", "fp", tied_fp + projection * 2)]
+        if tied_int2 is not None:
+            rows += [("tied", "int2", tied_int2), ("untied", "int2", tied_int2 + int(projection * 2.5 / 8))]
     return [{"heads": kind, "quant": quant, "num_heads": config.num_heads, "bytes": size,
              "share_of_model": round(size / model_bytes, 4), "model_bytes": model_bytes}
             for kind, quant, size in rows]
