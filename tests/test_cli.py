@@ -163,11 +163,13 @@ def test_a_draft_block_is_made_inspected_and_scored_and_refused_where_it_cannot_
 
 
 @pytest.mark.parametrize("kind", ["sequential", "attention"])
-def test_every_head_kind_is_inspected_and_cast(kind, tiny_smol_teacher, tmp_path, capsys):
+def test_every_head_kind_is_inspected_cast_and_scored_with_and_without_a_draft_vocabulary(kind, tiny_smol_teacher,
+                                                                                         tmp_path, capsys):
     import torch
     from safetensors import safe_open
 
-    from vllm_mtpspec.checkpoint import load_heads
+    from training.answers import answers_path, shards_from_answers, write_answers
+    from vllm_mtpspec.checkpoint import load_heads, model_fingerprint
 
     out = tmp_path / kind
     assert main(["heads", "init", "--model", str(tiny_smol_teacher), "--kind", kind, "--num-heads", "3",
@@ -184,3 +186,17 @@ def test_every_head_kind_is_inspected_and_cast(kind, tiny_smol_teacher, tmp_path
     assert type(half) is type(full) and half.config.head_kind == kind
     for name, tensor in full.state_dict().items():
         torch.testing.assert_close(half.state_dict()[name], tensor.half().float())
+    answers = tmp_path / "answers"
+    write_answers(answers_path(answers, 0), ["a", "b"], ["general", "code"], [[1, 9, 40, 7], [5, 6, 7, 8, 9]],
+                  [[11, 12, 13, 14, 15, 16], [20, 21, 22, 23, 24, 25, 26]],
+                  fingerprint=model_fingerprint(tiny_smol_teacher), vocab_size=49152)
+    shards_from_answers(tiny_smol_teacher, answers, tmp_path / "rows", top_k=4, context_rows=512)
+    assert main(["heads", "draft-vocab", str(out), "--size", "8", "--answers", str(answers),
+                 "--out", str(tmp_path / "dv")]) == 0
+    assert load_heads(tmp_path / "dv").draft_vocab.numel() == 8
+    for heads in (out, tmp_path / "dv"):
+        capsys.readouterr()
+        assert main(["eval-heads", "--model", str(tiny_smol_teacher), "--heads", str(heads),
+                     "--prompts", str(tmp_path / "rows")]) == 0
+        printed = capsys.readouterr().out
+        assert "11 positions" in printed and "top-1 when the heads before it were right" in printed
