@@ -444,7 +444,8 @@ def random_layer_block_dir(model_dir, tmp_path_factory):
     return save_heads(block, tmp_path_factory.mktemp("layer-block"))
 
 
-@pytest.mark.parametrize("engine", ["chunked+prefix-cache, block reading layers", "preempting"])
+@pytest.mark.parametrize("engine", ["chunked+prefix-cache, block reading layers", "preempting",
+                                    "preempting, block reading layers"])
 def test_a_draft_blocks_caches_hold_every_accepted_position_and_nothing_else(model_dir, random_block_dir,
                                                                              random_layer_block_dir, baseline,
                                                                              monkeypatch, engine):
@@ -490,7 +491,8 @@ def test_a_draft_blocks_caches_hold_every_accepted_position_and_nothing_else(mod
     monkeypatch.setattr(DraftBlock, "draft_chains", marked_drafting)
     # Blocks of 32 tokens, so these short prompts fill whole blocks, which are what a
     # prefix-cache hit reuses (vLLM's CPU default is 128).
-    config = ({**ENGINE, "block_size": 32} if engine != "preempting" else
+    preempting = engine.startswith("preempting")
+    config = ({**ENGINE, "block_size": 32} if not preempting else
               {**ENGINE, "max_model_len": 256, "kv_cache_memory_bytes": 16 << 20, "block_size": 32})
     from vllm import LLM
 
@@ -498,7 +500,7 @@ def test_a_draft_blocks_caches_hold_every_accepted_position_and_nothing_else(mod
                                                             "num_speculative_tokens": 3})
     prompts = chat_prompts(llm)
     outputs = greedy(llm)
-    prefix_cached = engine != "preempting"
+    prefix_cached = not preempting
     # The same prompts again: their prefixes are cached now, so their caches begin past 0.
     again = greedy(llm) if prefix_cached else outputs
     metrics = spec_metrics(llm)
@@ -507,7 +509,7 @@ def test_a_draft_blocks_caches_hold_every_accepted_position_and_nothing_else(mod
     close(llm)
     assert outputs == baseline and again == baseline
     assert metrics["vllm:spec_decode_num_accepted_tokens"] > 0  # steps that kept several rows
-    assert (preemptions > 0) == (engine == "preempting")
+    assert (preemptions > 0) == preempting
     assert prefix_hits > 0 or not prefix_cached
     target = load_target(str(model_dir), dtype="fp32")
     embed = target.model.get_input_embeddings().weight
