@@ -627,9 +627,8 @@ def sequential_int2_heads_dir(heads_dir, tmp_path_factory):
     import torch
 
     from vllm_mtpspec.checkpoint import load_heads, save_heads
-    from vllm_mtpspec.sequential_heads import SequentialHeads
-
     from vllm_mtpspec.config import HeadsConfig
+    from vllm_mtpspec.sequential_heads import SequentialHeads
 
     seeded = SequentialHeads.from_parallel(load_heads(heads_dir, dtype=torch.float32))
     heads = SequentialHeads(HeadsConfig.from_dict({**seeded.config.to_dict(), "draft_vocab_size": 0}))
