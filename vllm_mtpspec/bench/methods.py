@@ -82,10 +82,10 @@ def build_methods(names: list[str], *, model_dir: str, heads_dirs: list[str], nu
                         heads = str(_int2_heads(heads_dir, work_dir))
                     except HeadsError as err:  # these heads have no INT2 form: that row alone is not run
                         unavailable = str(err)
-                config = _heads_config(heads_dir)
-                heads_tag = _heads_tag(heads_dir, config, several=len(heads_dirs) > 1)
+                heads_config = _heads_config(heads_dir)
+                heads_tag = _heads_tag(heads_dir, heads_config, several=len(heads_dirs) > 1)
                 # A tree these heads cannot draft: reported with the reason, as vLLM would refuse it.
-                refusal = config.tree_refusal(method_tree) if config is not None else None
+                refusal = heads_config.tree_refusal(method_tree) if heads_config is not None else None
                 unavailable = unavailable or (f"{heads_dir}/config.json: {refusal}" if refusal else None)
                 budgets = [None] if method_tree == "chain" else max_tree_nodes
                 for k, budget in itertools.product(num_heads, budgets):
