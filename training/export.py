@@ -1,6 +1,12 @@
 """From the last Ray Train checkpoint to a heads directory (and its INT2 copy): fit one
 temperature per head on held-out data, record measured rank accuracies (static trees use
-them), evaluate, and draw the loss curves."""
+them), evaluate, and draw the loss curves.
+
+Heads trained elsewhere (training/block_gpu.py) are calibrated the same way on the CPU:
+
+    python -m training.export runs/block-v2/heads --held-out runs/sd-ctx-layers/held-out \
+        --out data/heads/smollm2-135m-instruct-block-v2-layers
+"""
 from __future__ import annotations
 
 import json
@@ -55,10 +61,20 @@ def _export_student(state: dict, student_dir: Path, out: Path) -> Path:
     return out
 
 
-def export_heads(config, checkpoint, *, init_dir: Path, model_dir: Path, held_out: list[Path], metrics_path: Path,
-                 train_shards: list[Path] = ()) -> dict:
+def calibrate(heads, held_out: list[Path], *, lm_head: torch.Tensor, embed: torch.Tensor) -> dict:
+    """Fits one temperature per head and records the rank accuracies (static trees read
+    them) on held-out shards, in place; returns the held-out evaluation."""
     from training.evaluate import evaluate_heads
 
+    report = evaluate_heads(heads, held_out, lm_head=lm_head, embed=embed, fit_temperatures=True)
+    heads.config.temperatures = report.pop("temperatures")
+    heads.temperatures = torch.tensor(heads.config.temperatures)
+    heads.config.rank_accuracy = report["rank_accuracy"]
+    return report
+
+
+def export_heads(config, checkpoint, *, init_dir: Path, model_dir: Path, held_out: list[Path], metrics_path: Path,
+                 train_shards: list[Path] = ()) -> dict:
     heads = load_heads(init_dir)
     with checkpoint.as_directory() as folder:
         state = torch.load(Path(folder) / "state.pt", weights_only=False)
@@ -72,11 +88,7 @@ def export_heads(config, checkpoint, *, init_dir: Path, model_dir: Path, held_ou
         summary["student_dir"] = str(model_dir)
     embed, lm_head = embedding_and_lm_head(model_dir)
     if held_out:
-        fp = evaluate_heads(heads, held_out, lm_head=lm_head, embed=embed, fit_temperatures=True)
-        heads.config.temperatures = fp.pop("temperatures")
-        heads.temperatures = torch.tensor(heads.config.temperatures)
-        heads.config.rank_accuracy = fp["rank_accuracy"]
-        summary["held_out"] = {"fp32": fp}
+        summary["held_out"] = {"fp32": calibrate(heads, held_out, lm_head=lm_head, embed=embed)}
     save_heads(heads, out)
     summary["heads_dir"] = str(out)
     if config.int2_group_size:
@@ -86,9 +98,55 @@ def export_heads(config, checkpoint, *, init_dir: Path, model_dir: Path, held_ou
         save_heads(int2_copy(heads, config, list(train_shards), lm_head=lm_head, embed=embed), int2_dir)
         summary["int2_dir"] = str(int2_dir)
         if held_out:
+            from training.evaluate import evaluate_heads
+
             summary["held_out"]["int2"] = evaluate_heads(load_heads(int2_dir), held_out, lm_head=lm_head, embed=embed)
     if metrics_path.is_file():
         plot_losses(metrics_path, out / "loss_curves.png")
         summary["loss_curves"] = str(out / "loss_curves.png")
     logger.info("heads written to %s", out)
     return summary
+
+
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+
+    from training.data import list_shards
+    from vllm_mtpspec.checkpoint import check_heads_match_model, stored_dtype
+    from vllm_mtpspec.models import resolve_model
+
+    parser = argparse.ArgumentParser(
+        prog="python -m training.export",
+        description="Calibrate trained heads on held-out shards (one temperature per head, rank accuracies) "
+                    "and write them, with the run's summary, loss log and curves where the folder has them.")
+    parser.add_argument("heads", help="the trained heads directory")
+    parser.add_argument("--held-out", required=True, help="held-out shards (a folder; `python -m training.data`)")
+    parser.add_argument("--out", required=True, help="the heads directory to write")
+    parser.add_argument("--model", default="smollm2-135m-instruct")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    model_dir = resolve_model(args.model, dtype="fp32")
+    shards = list_shards(args.held_out)
+    if not shards:
+        parser.error(f"--held-out {args.held_out}: no shards there; build them with `python -m training.data`")
+    heads = load_heads(args.heads)
+    embed, lm_head = embedding_and_lm_head(model_dir)
+    check_heads_match_model(heads.config, heads_dir=args.heads, hidden_size=embed.shape[1], vocab_size=embed.shape[0],
+                            fingerprint=model_fingerprint(model_dir))
+    dtype = stored_dtype(args.heads) or torch.float32
+    report = calibrate(heads, shards, lm_head=lm_head, embed=embed)
+    out = Path(args.out)
+    save_heads(heads.to(dtype), out)  # stored as it came (fp16 stays fp16)
+    run = Path(args.heads).parent
+    summary = {"held_out": {"fp32": report}, "held_out_shards": args.held_out, "heads_dir": str(out)}
+    if (run / "summary.json").is_file():
+        summary["training"] = json.loads((run / "summary.json").read_text())
+    (out / "train_summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    if (run / "train_log.jsonl").is_file():
+        plot_losses(run / "train_log.jsonl", out / "loss_curves.png")
+    logger.info("calibrated heads written to %s: conditional top-1 %s", out, report.get("conditional_top1"))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

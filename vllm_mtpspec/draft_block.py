@@ -199,21 +199,34 @@ class DraftBlock(DraftModule):
 
     # ------------------------------------------------------------------ training / replay
     def unrolled(self, features: torch.Tensor, token_embeds: list[torch.Tensor], positions: torch.Tensor,
-                 valid: torch.Tensor, layer_features: torch.Tensor | None = None) -> list[torch.Tensor]:
+                 valid: torch.Tensor, layer_features: torch.Tensor | None = None,
+                 query_rows: torch.Tensor | None = None) -> list[torch.Tensor]:
         """Every position's chain at once, as drafting would run it with right drafts.
 
         features [B, T, d]; token_embeds[j - 1] [B, T, d]: the embedding of s_{p+j} at p
         (depth j's token); positions [B, T]; valid [B, T]: real entries (padding is False);
         layer_features [B, T, n, d] for a block with feature_layers.
-        Returns g^1 .. g^k, each [B, T, d], g^j_p guessing s_{p+j+1}'s state."""
+        Returns g^1 .. g^k, each [B, T, d], g^j_p guessing s_{p+j+1}'s state.
+
+        query_rows [B, Q] (indices into T): the chains of those rows only, each g [B, Q, d].
+        Every row still gives its context entry, but only those rows' chains are computed:
+        training wants the answer's rows, a fifth of a long conversation's."""
         scale = 1.0 / math.sqrt(self.block_config.head_dim)
         self._require_layer_features(layer_features)
         x = self.fused_inputs(features, token_embeds[0], layer_features)
         q, k, v = self._qkv(x, positions)
         context_k, context_v = self._expand_kv(k), self._expand_kv(v)         # [B, H, T, hd]
         t = features.shape[1]
-        causal = torch.ones(t, t, dtype=torch.bool, device=features.device).tril()
-        mask = (causal & valid[:, None, :])[:, None]                           # [B, 1, T, T]
+        index = torch.arange(t, device=features.device)
+        if query_rows is not None:
+            def pick(rows_first: torch.Tensor) -> torch.Tensor:               # [B, T, ...] -> [B, Q, ...]
+                return rows_first[torch.arange(rows_first.shape[0], device=rows_first.device)[:, None], query_rows]
+
+            x, positions = pick(x), pick(positions)
+            q = pick(q.transpose(1, 2)).transpose(1, 2)
+            token_embeds = [pick(e) for e in token_embeds]
+        rows = index.expand(features.shape[0], t) if query_rows is None else query_rows
+        mask = ((index <= rows[:, :, None]) & valid[:, None, :])[:, None]      # [B, 1, Q, T]: causal, real keys
         scores = (q @ context_k.transpose(-1, -2) * scale).masked_fill(~mask, float("-inf"))
         g = self._finish(x, _softmax(scores, q.dtype) @ context_v)
         outputs = [g]

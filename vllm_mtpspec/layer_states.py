@@ -16,14 +16,16 @@ if TYPE_CHECKING:  # torch is imported where used: the command line reads this m
 
 
 @contextmanager
-def recording_layer_inputs(decoder, layers: list[int]):
+def recording_layer_inputs(decoder, layers: list[int], *, whole_batch: bool = False):
     """Yields a dict that the forward passes run inside fill: layer -> [T, d], the state
-    entering that layer for the first sequence of the batch (the last pass's)."""
+    entering that layer for the first sequence of the batch (the last pass's); with
+    whole_batch, [B, T, d] for every sequence."""
     seen: dict[int, "torch.Tensor"] = {}
 
     def recorder(layer):
         def record(_module, args, kwargs):
-            seen[layer] = (args[0] if args else kwargs["hidden_states"])[0]
+            states = args[0] if args else kwargs["hidden_states"]
+            seen[layer] = states if whole_batch else states[0]
         return record
 
     handles = [decoder.layers[layer].register_forward_pre_hook(recorder(layer), with_kwargs=True) for layer in layers]

@@ -1,0 +1,114 @@
+"""The one-GPU trainer of the attention draft block (training/block_gpu.py) must train on
+exactly the examples the Ray job's BlockModule reads from shards: the same rows, targets,
+teacher distributions and unrolled chains. Run here on the CPU with a tiny random Llama."""
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from tests.test_draft_block import make_block, tiny_block_for
+
+
+@pytest.mark.parametrize("feature_layers", [(), (0, 1)])
+def test_chains_of_chosen_rows_are_the_rows_of_the_full_unrolled_pass(feature_layers):
+    block = make_block(num_heads=3, feature_layers=feature_layers)
+    d = block.config.hidden_size
+    torch.manual_seed(1)
+    b, t = 2, 9
+    features = torch.randn(b, t, d, dtype=torch.float64)
+    embeds = [torch.randn(b, t, d, dtype=torch.float64) for _ in range(3)]
+    positions = torch.arange(t).expand(b, t) + torch.tensor([[0], [5]])
+    valid = torch.ones(b, t, dtype=torch.bool)
+    valid[1, 7:] = False                                                  # the second sequence is shorter
+    layers = torch.randn(b, t, len(feature_layers), d, dtype=torch.float64) if feature_layers else None
+    rows = torch.tensor([[4, 5, 6, 7, 8], [3, 4, 5, 6, 6]])
+    full = block.unrolled(features, embeds, positions, valid, layers)
+    chosen = block.unrolled(features, embeds, positions, valid, layers, query_rows=rows)
+    for depth, (whole, part) in enumerate(zip(full, chosen)):
+        torch.testing.assert_close(part, whole[torch.arange(b)[:, None], rows], msg=f"depth {depth + 1}")
+
+
+@torch.no_grad()
+def test_recorded_rows_and_batches_are_the_shards_examples(tiny_model):
+    from training.answers import shard_from_answers
+    from training.block_gpu import batch_examples, record_rows, unrolled_states
+    from training.examples import answer_sequence, shard_examples
+    from training.modules import unroll_sequences
+
+    torch.manual_seed(2)
+    pairs = [(torch.randint(0, 256, (n,)).tolist(), torch.randint(0, 256, (m,)).tolist())
+             for n, m in [(9, 6), (3, 8), (14, 5)]]
+    layers = [0, 1]
+    block = tiny_block_for(tiny_model, num_heads=3, feature_layers=layers).double()
+    embed = tiny_model.get_input_embeddings().weight.double()
+    # Batched (padded) passes of the target, against one pass per answer.
+    store = record_rows(tiny_model, pairs, context_rows=4, feature_layers=layers, top_k=3, batch_tokens=40,
+                        device=torch.device("cpu"))
+    shard = shard_from_answers(SimpleNamespace(model=tiny_model), ["a", "b", "c"], ["general"] * 3,
+                               [p for p, _ in pairs], [a for _, a in pairs], top_k=3, context_rows=4,
+                               feature_layers=layers)
+    examples = shard_examples({**shard, "hidden": torch.zeros(shard["tokens"].numel(), 1)}, 3)
+    batch = batch_examples(store, [0, 1, 2], 3)
+    mine = unrolled_states(block, {**batch, "features": batch["features"].double(),
+                                   "layer_features": batch["layer_features"].double()}, embed)
+    mine = mine[batch["loss_b"], batch["loss_r"]]
+    theirs = []
+    for j in range(3):
+        seq = answer_sequence(shard, j, layers)
+        seq = {**seq, "features": seq["features"].double(), "layer_features": seq["layer_features"].double()}
+        states = unroll_sequences(block, [seq], embed)[0, seq["first_answer_row"]:]
+        theirs.append(states[: len(pairs[j][1]) - 1])                   # rows with a next token
+    torch.testing.assert_close(mine, torch.cat(theirs), atol=1e-3, rtol=1e-3)
+    assert batch["targets"].tolist() == examples["targets"].tolist()
+    assert batch["teacher_ids"].tolist() == examples["teacher_ids"].tolist()
+    torch.testing.assert_close(batch["teacher_logprobs"], torch.from_numpy(examples["teacher_logprobs"]))
+    assert store.context == [4, 2, 4]                                   # capped by the prompt rows there are
+
+
+def test_length_batches_keep_padded_rows_within_the_budget():
+    from training.block_gpu import _length_batches
+
+    lengths = [5, 9, 3, 12, 7, 30]
+    batches = _length_batches(lengths, 24, sorted(range(6), key=lambda i: lengths[i]))
+    assert sorted(i for batch in batches for i in batch) == list(range(6))
+    for batch in batches:
+        assert len(batch) == 1 or len(batch) * max(lengths[i] for i in batch) <= 24
+
+
+def test_heads_trained_elsewhere_are_calibrated_and_kept_in_their_dtype(tiny_model, tiny_model_dir, tmp_path):
+    """python -m training.export: temperatures fitted and rank accuracies measured on the
+    held-out shards, the weights written back as they came (fp16), the run's log drawn."""
+    import json
+
+    from training.answers import shard_from_answers
+    from training.data import write_shard
+    from training.evaluate import TEMPERATURE_GRID
+    from training.export import main
+    from vllm_mtpspec.checkpoint import load_heads, save_heads, stored_dtype
+    from vllm_mtpspec.heads_init import init_draft_block
+
+    torch.manual_seed(3)
+    run = tmp_path / "run"
+    block = init_draft_block(tiny_model, tiny_model_dir, num_heads=2)
+    save_heads(block.half(), run / "heads")
+    (run / "summary.json").write_text(json.dumps({"train": {"steps": 2}}))
+    (run / "train_log.jsonl").write_text("".join(json.dumps({"step": s, "loss": 3.0 - s, "ce_0": 1.0, "ce_1": 2.0})
+                                                 + "\n" for s in (1, 2)))
+    pairs = [(torch.randint(0, 256, (7,)).tolist(), torch.randint(0, 256, (12,)).tolist()) for _ in range(3)]
+    shard = shard_from_answers(SimpleNamespace(model=tiny_model), ["a", "b", "c"], ["general"] * 3,
+                               [p for p, _ in pairs], [a for _, a in pairs], top_k=3, context_rows=4)
+    write_shard(tmp_path / "held-out", 0, shard)
+    before = json.loads((run / "heads" / "config.json").read_text())
+    assert main([str(run / "heads"), "--held-out", str(tmp_path / "held-out"), "--out", str(tmp_path / "out"),
+                 "--model", str(tiny_model_dir)]) == 0
+    config = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert before["rank_accuracy"] is None and len(config["rank_accuracy"]) == 2
+    assert all(t in TEMPERATURE_GRID for t in config["temperatures"])
+    assert stored_dtype(tmp_path / "out") == torch.float16
+    load_heads(tmp_path / "out")                                      # loads, every tensor checked
+    summary = json.loads((tmp_path / "out" / "train_summary.json").read_text())
+    assert summary["training"] == {"train": {"steps": 2}}
+    assert summary["held_out"]["fp32"]["rows"] > 0
+    assert (tmp_path / "out" / "loss_curves.png").is_file()
