@@ -33,7 +33,7 @@ def test_chains_of_chosen_rows_are_the_rows_of_the_full_unrolled_pass(feature_la
 @torch.no_grad()
 def test_recorded_rows_and_batches_are_the_shards_examples(tiny_model):
     from training.answers import shard_from_answers
-    from training.block_gpu import batch_examples, record_rows, unrolled_states
+    from training.block_gpu import batch_examples, record_rows, score, unrolled_states
     from training.examples import answer_sequence, shard_examples
     from training.modules import unroll_sequences
 
@@ -65,6 +65,9 @@ def test_recorded_rows_and_batches_are_the_shards_examples(tiny_model):
     assert batch["teacher_ids"].tolist() == examples["teacher_ids"].tolist()
     torch.testing.assert_close(batch["teacher_logprobs"], torch.from_numpy(examples["teacher_logprobs"]))
     assert store.context == [4, 2, 4]                                   # capped by the prompt rows there are
+    scored = score(block.float(), store, embed=embed.float(), lm_head=embed.float(), batch_tokens=40)
+    assert scored["rows"] == sum(len(a) - 1 for _, a in pairs)           # every answer row with a next token
+    assert len(scored["conditional_top1"]) == 3
 
 
 def test_length_batches_keep_padded_rows_within_the_budget():
@@ -112,3 +115,21 @@ def test_heads_trained_elsewhere_are_calibrated_and_kept_in_their_dtype(tiny_mod
     assert summary["training"] == {"train": {"steps": 2}}
     assert summary["held_out"]["fp32"]["rows"] > 0
     assert (tmp_path / "out" / "loss_curves.png").is_file()
+
+
+def test_conditional_hits_count_a_depth_only_while_the_chain_before_it_is_right():
+    """The held-out scorers' shared count (training/evaluate.py), along one answer and from
+    per-row targets (what block_gpu.score gives it)."""
+    from training.evaluate import chain_hits, conditional_hits
+
+    tokens = torch.tensor([5, 6, 7, 8, 9])
+    top1 = torch.tensor([[6, 7],      # both right
+                         [7, 0],      # depth 1 right, depth 2 wrong
+                         [0, 9],      # depth 1 wrong: depth 2 not asked, though it guessed right
+                         [9, 3],      # depth 1 right; the answer ends before depth 2
+                         [1, 1]])     # nothing left to guess
+    hits, asked = conditional_hits(top1, tokens)
+    assert hits.tolist() == [3, 1] and asked.tolist() == [4, 2]
+    targets = torch.tensor([[6, 7], [7, 8], [8, 9], [9, -1], [-1, -1]])
+    hits, asked = chain_hits(top1, targets)
+    assert hits.tolist() == [3, 1] and asked.tolist() == [4, 2]

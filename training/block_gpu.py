@@ -211,8 +211,11 @@ def score(block, store: RowStore, *, embed, lm_head, batch_tokens: int) -> dict:
     """Teacher-forced on the store's answers: per-depth top-1 and conditional top-1 (the
     chance depth i is right when depths 1..i-1 were), over the whole vocabulary, and the
     chain's expected accepted length 1 + a1 + a1 a2 + ... for k = 1..depth."""
+    from training.evaluate import chain_hits
+
     k = block.num_heads
-    hits, asked, right, rows = torch.zeros(k), torch.zeros(k), torch.zeros(k), torch.zeros(k)
+    device = store.features.device
+    hits, asked, right, rows = (torch.zeros(k, device=device) for _ in range(4))
     lengths = [c + n for c, n in zip(store.context, store.length)]
     order = sorted(range(store.num_answers), key=lambda a: lengths[a])
     for answers in _length_batches(lengths, batch_tokens, order):
@@ -220,15 +223,11 @@ def score(block, store: RowStore, *, embed, lm_head, batch_tokens: int) -> dict:
         states = unrolled_states(block, batch, embed)[batch["loss_b"], batch["loss_r"]]   # [R, k, d]
         top1 = (states.float() @ lm_head.T).argmax(-1)                                     # [R, k]
         targets = batch["targets"]
-        ok = (top1 == targets) & (targets >= 0)
-        chain = torch.ones(ok.shape[0], dtype=torch.bool, device=ok.device)
-        for i in range(k):
-            has = targets[:, i] >= 0
-            right[i] += ok[:, i].sum().item()
-            rows[i] += has.sum().item()
-            asked[i] += (chain & has).sum().item()
-            hits[i] += (chain & ok[:, i]).sum().item()
-            chain &= ok[:, i]
+        batch_hits, batch_asked = chain_hits(top1, targets)
+        hits, asked = hits + batch_hits, asked + batch_asked
+        right += ((top1 == targets) & (targets >= 0)).sum(0)
+        rows += (targets >= 0).sum(0)
+    hits, asked, right, rows = hits.cpu(), asked.cpu(), right.cpu(), rows.cpu()
     conditional = (hits / asked.clamp_min(1)).tolist()
     chain_length, product = [1.0], 1.0
     for a in conditional:
@@ -251,7 +250,7 @@ def train(block, store: RowStore, *, embed, lm_head, seconds: float, batch_token
     rng = random.Random(seed)
     lengths = [c + n for c, n in zip(store.context, store.length)]
     autocast = torch.autocast(device.type, dtype=torch.bfloat16)
-    started, step, epoch, answers_seen, skipped = time.perf_counter(), 0, 0, 0, 0
+    started, step, answers_seen, skipped = time.perf_counter(), 0, 0, 0
     bar = tqdm(total=int(seconds), desc="training the block", unit="s", mininterval=5)
     block.train()
     done = False
@@ -288,14 +287,12 @@ def train(block, store: RowStore, *, embed, lm_head, seconds: float, batch_token
             step += 1
             answers_seen += len(answers)
             bar.n = min(int(time.perf_counter() - started), int(seconds))
-            bar.set_postfix(step=step, epoch=epoch, loss=f"{losses.total.item():.3f}")
+            bar.set_postfix(step=step, epoch=answers_seen // store.num_answers, loss=f"{losses.total.item():.3f}")
             if log is not None and (step % log_every == 0 or step == 1):
                 log({"step": step, "epochs": round(answers_seen / store.num_answers, 3),
                      "seconds": round(time.perf_counter() - started, 1), "loss": losses.total.item(),
                      "lr": optimizer.param_groups[0]["lr"],
                      **{f"ce_{i}": v for i, v in enumerate(losses.ce)}})
-        else:
-            epoch += 1
     bar.close()
     block.eval()
     return {"steps": step, "epochs": round(answers_seen / store.num_answers, 2),

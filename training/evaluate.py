@@ -84,18 +84,25 @@ def draft_logits_along(heads, shard: dict, j: int, project, embed):
 
 
 def conditional_hits(top1: torch.Tensor, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """chain_hits along one answer: top1 [n, k], each row's top-1 draft per depth; tokens
+    [n]: the answer, whose token r + i + 1 is depth i's target at row r."""
+    n, k = top1.shape
+    ahead = torch.arange(n, device=tokens.device)[:, None] + torch.arange(1, k + 1, device=tokens.device)
+    return chain_hits(top1, torch.where(ahead < n, tokens[ahead.clamp_max(n - 1)], -1))
+
+
+def chain_hits(top1: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Per depth i: (rows where depth i was right and depths 1..i-1 were, rows where depths
     1..i-1 were right and depth i has a target): the chain's conditional top-1.
-    top1 [n, k]: each row's top-1 draft per depth; tokens [n]: the answer."""
+    top1 [n, k]: each row's top-1 draft per depth; targets [n, k]: what depth i should
+    draft at each row, -1 where the answer has ended. On top1's device."""
     n, k = top1.shape
-    hits, asked = torch.zeros(k), torch.zeros(k)
-    chain_ok = torch.ones(n, dtype=torch.bool)
+    hits, asked = torch.zeros(k, device=top1.device), torch.zeros(k, device=top1.device)
+    chain_ok = torch.ones(n, dtype=torch.bool, device=top1.device)
     for i in range(k):
-        rows = torch.arange(n)
-        valid = rows + i + 1 < n
-        right = torch.zeros(n, dtype=torch.bool)
-        right[valid] = top1[valid, i] == tokens[(rows + i + 1)[valid]]
-        asked[i] += (chain_ok & valid).sum()
+        has = targets[:, i] >= 0
+        right = has & (top1[:, i] == targets[:, i])
+        asked[i] += (chain_ok & has).sum()
         hits[i] += (chain_ok & right).sum()
         chain_ok &= right
     return hits, asked
