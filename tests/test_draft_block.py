@@ -496,6 +496,44 @@ def test_drafted_chains_are_the_unrolled_pass_along_their_own_drafts_and_leave_t
 
 
 @torch.no_grad()
+@pytest.mark.parametrize("int8", [False, True])
+def test_fused_projections_draft_what_the_separate_ones_draft_and_are_never_saved(tmp_path, int8):
+    from vllm_mtpspec.quant.int8_dynamic import int8_linears
+
+    block = make_block(num_heads=4, feature_layers=(1,)).float()
+    if int8:
+        int8_linears(block)
+    features, embed, tokens = random_sequence(16)
+    features, embed = features.float(), embed.float()
+    layers = torch.randn(16, 1, D, generator=torch.Generator().manual_seed(3))
+    lm_head = torch.randn(VOCAB, D, generator=torch.Generator().manual_seed(4))
+
+    def draft():
+        caches, newest = [], []
+        for length in (7, 12):  # two requests: padded, masked, then one each
+            caches.append(block.empty_cache(dtype=torch.float32))
+            block.extend(caches[-1], features[:length - 3], embed[tokens[:length - 3]], layers[:length - 3])
+        outputs = block.extend_many(caches, [features[4:7], features[9:12]], [embed[tokens[4:7]], embed[tokens[9:12]]],
+                                    [layers[4:7], layers[9:12]])
+        newest = torch.stack([out[-1] for out in outputs])
+        together = block.draft_chains(caches, newest, 4, lambda x: x @ lm_head.T, lambda t: embed[t])
+        alone = block.draft_chains(caches[1:], newest[1:], 4, lambda x: x @ lm_head.T, lambda t: embed[t])
+        return together, alone
+
+    separate = draft()
+    saved_before = {name: tensor.clone() for name, tensor in block.state_dict().items()}
+    block.fuse_projections()
+    fused = draft()
+    for got, expected in zip(fused, separate):
+        torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
+    assert block.state_dict().keys() == saved_before.keys()
+    if not int8:
+        save_heads(block, tmp_path)
+        loaded = load_heads(tmp_path)
+        assert loaded.state_dict().keys() == saved_before.keys()
+
+
+@torch.no_grad()
 def test_a_fresh_block_drafts_what_the_lm_head_says_on_h(tiny_model, tiny_model_dir):
     from vllm_mtpspec.heads_init import init_draft_block
 

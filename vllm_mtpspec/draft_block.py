@@ -49,6 +49,19 @@ def _softmax(scores: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return torch.softmax(scores.to(_at_least_fp32(scores.dtype)), -1).to(dtype)
 
 
+def _normalized(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """x [..., d] over its root mean square, computed in at least fp32, in x's dtype. (The
+    dtype checks keep a draft step's many small calls from converting to what they are.)"""
+    wide_dtype = _at_least_fp32(x.dtype)
+    wide = x if x.dtype == wide_dtype else x.to(wide_dtype)
+    out = wide * torch.rsqrt(wide.pow(2).mean(-1, keepdim=True) + eps)
+    return out if out.dtype == x.dtype else out.to(x.dtype)
+
+
+def _in_dtype(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return t if t.dtype == dtype else t.to(dtype)
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
@@ -56,20 +69,37 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        wide = x.to(_at_least_fp32(x.dtype))
-        return (wide * torch.rsqrt(wide.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype) * self.weight.to(x.dtype)
+        return _normalized(x, self.eps) * _in_dtype(self.weight, x.dtype)
+
+
+_INVERSE_FREQUENCIES: dict[tuple, torch.Tensor] = {}
+
+
+def _inverse_frequencies(half: int, theta: float, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    key = (half, theta, device, dtype)
+    if key not in _INVERSE_FREQUENCIES:
+        _INVERSE_FREQUENCIES[key] = 1.0 / theta ** (torch.arange(0, half, device=device, dtype=dtype) / half)
+    return _INVERSE_FREQUENCIES[key]
+
+
+def rotary(positions: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype):
+    """cos and sin [..., T, hd] of positions [..., T] (Llama's rotate-half form), computed
+    once for the queries and keys of a pass."""
+    precision = _at_least_fp32(dtype)
+    angles = _in_dtype(positions, precision).unsqueeze(-1) * _inverse_frequencies(
+        head_dim // 2, theta, positions.device, precision)                           # [..., T, hd/2]
+    angles = torch.cat([angles, angles], -1)
+    return _in_dtype(torch.cos(angles), dtype), _in_dtype(torch.sin(angles), dtype)
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return x * cos + torch.cat([-x[..., half:], x[..., :half]], -1) * sin
 
 
 def rope(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
-    """x [..., T, hd] rotated by the angles of positions [..., T] (Llama's rotate-half form)."""
-    half = x.shape[-1] // 2
-    precision = _at_least_fp32(x.dtype)
-    inv_freq = 1.0 / theta ** (torch.arange(0, half, device=x.device, dtype=precision) / half)
-    angles = positions.to(precision).unsqueeze(-1) * inv_freq                      # [..., T, hd/2]
-    cos, sin = torch.cos(angles).to(x.dtype), torch.sin(angles).to(x.dtype)
-    cos, sin = torch.cat([cos, cos], -1), torch.cat([sin, sin], -1)
-    x1, x2 = x[..., :half], x[..., half:]
-    return x * cos + torch.cat([-x2, x1], -1) * sin
+    """x [..., T, hd] rotated by the angles of positions [..., T]."""
+    return rotate(x, *rotary(positions, x.shape[-1], theta, x.dtype))
 
 
 @dataclass
@@ -155,46 +185,52 @@ class DraftBlock(DraftModule):
         layer_features [..., n, d]: the states entering the block's feature_layers, for
         entries of the target's own positions (None for a chain's drafted ones)."""
         dtype = self.fuse.weight.dtype
-        x = self.fuse(torch.cat([self.feature_norm(features.to(dtype)), self.token_norm(token_embeds.to(dtype))], -1))
-        if layer_features is None or not self.feature_layers:
-            return x
-        normed = [norm(layer_features[..., i, :].to(dtype)) for i, norm in enumerate(self.layer_norms)]
-        return x + self.layer_fuse(torch.cat(normed, -1))
+        reads_layers = layer_features is not None and bool(self.feature_layers)
+        inputs = torch.stack([_in_dtype(features, dtype), _in_dtype(token_embeds, dtype)], -2)    # [..., 2, d]
+        norms = [self.feature_norm, self.token_norm]
+        if reads_layers:
+            inputs = torch.cat([inputs, _in_dtype(layer_features, dtype)], -2)                  # [..., 2 + n, d]
+            norms += list(self.layer_norms)
+        # Every input normalized in one pass, then each by its own norm's weight.
+        normed = _normalized(inputs, self.block_config.rms_norm_eps) * torch.stack(
+            [_in_dtype(norm.weight, dtype) for norm in norms])
+        d = features.shape[-1]
+        if not reads_layers:
+            return self.fuse(normed.flatten(-2))
+        flat = normed.flatten(-2)
+        return self.fuse(flat[..., :2 * d]) + self.layer_fuse(flat[..., 2 * d:])
 
     def _qkv(self, x: torch.Tensor, positions: torch.Tensor):
         """x [B, T, d] at positions [B, T] -> q [B, H, T, hd], k and v [B, KV, T, hd]."""
-        b, t, _ = x.shape
-        cfg = self.block_config
         h = self.attention_norm(x)
-        q = self.q_proj(h).view(b, t, cfg.attention_heads, cfg.head_dim).transpose(1, 2)
-        k = self.k_proj(h).view(b, t, cfg.kv_heads, cfg.head_dim).transpose(1, 2)
-        v = self.v_proj(h).view(b, t, cfg.kv_heads, cfg.head_dim).transpose(1, 2)
-        pos = positions.unsqueeze(1)
-        return rope(q, pos, cfg.rope_theta), rope(k, pos, cfg.rope_theta), v
+        return self._split_heads(self.q_proj(h), self.k_proj(h), self.v_proj(h), positions)
 
-    def _grouped_attention(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
-                           seen: torch.Tensor) -> torch.Tensor:
-        """q [B, H, n, hd] over keys and values [B, KV, L, hd] where seen [B, n, L]: each
-        query group reads its key/value head in place (no copy per query head)."""
-        b, h, n, hd = q.shape
-        kv = keys.shape[1]
-        grouped = q.reshape(b, kv, (h // kv) * n, hd)                 # query head kv * G + g: group kv
-        scores = grouped @ keys.transpose(-1, -2) / math.sqrt(hd)      # [B, KV, G * n, L]
-        mask = seen[:, None, None].expand(b, kv, h // kv, n, seen.shape[-1]).reshape(b, kv, -1, seen.shape[-1])
-        weights = _softmax(scores.masked_fill(~mask, float("-inf")), q.dtype)
-        return (weights @ values).reshape(b, h, n, hd)
+    def _split_heads(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor):
+        """The projections [B, T, *] -> rotated q [B, H, T, hd], k [B, KV, T, hd], and v."""
+        b, t, _ = q.shape
+        cfg = self.block_config
+        q = q.reshape(b, t, cfg.attention_heads, cfg.head_dim).transpose(1, 2)
+        k = k.reshape(b, t, cfg.kv_heads, cfg.head_dim).transpose(1, 2)
+        v = v.reshape(b, t, cfg.kv_heads, cfg.head_dim).transpose(1, 2)
+        cos, sin = rotary(positions.unsqueeze(1), cfg.head_dim, cfg.rope_theta, q.dtype)
+        return rotate(q, cos, sin), rotate(k, cos, sin), v
 
     def _expand_kv(self, kv: torch.Tensor) -> torch.Tensor:
         """[B, KV, ..., hd] -> [B, H, ..., hd]: each key/value head serves its query group."""
         group = self.block_config.attention_heads // self.block_config.kv_heads
         return kv if group == 1 else kv.repeat_interleave(group, dim=1)
 
-    def _finish(self, x: torch.Tensor, attended: torch.Tensor) -> torch.Tensor:
-        """The layer's residual stream after attention ([B, H, T, hd]) and the MLP -> g [B, T, d]."""
+    def _finish(self, x: torch.Tensor, attended: torch.Tensor, gate_up: nn.Module | None = None) -> torch.Tensor:
+        """The layer's residual stream after attention ([B, H, T, hd]) and the MLP -> g [B, T, d].
+        gate_up: gate_proj and up_proj as one product (drafting's fused projections)."""
         b, _, t, _ = attended.shape
         x = x + self.o_proj(attended.transpose(1, 2).reshape(b, t, -1))
         h = self.mlp_norm(x)
-        x = x + self.down_proj(F.silu(self.gate_proj(h)) * self.up_proj(h))
+        if gate_up is None:
+            gate, up = self.gate_proj(h), self.up_proj(h)
+        else:
+            gate, up = gate_up(h).split(self.block_config.mlp_size, -1)
+        x = x + self.down_proj(F.silu(gate) * up)
         return self.output_norm(x)
 
     # ------------------------------------------------------------------ training / replay
@@ -262,6 +298,21 @@ class DraftBlock(DraftModule):
         return self.extend_many([cache], [features], [token_embeds],
                                 None if layer_features is None else [layer_features])[0]
 
+    def fuse_projections(self) -> None:
+        """Drafting's q/k/v as one product and gate/up as another. At the handful of rows a
+        draft step has, a product costs mostly its fixed overhead, so two products replace
+        five. Built from the projections as they are now (INT8 where int8_linears made them
+        so), on their device: call it after moving the block and before drafting, never
+        before training it further. They are held outside the registered children, so the
+        block saves and trains as before; `unrolled` keeps reading the separate ones."""
+        cfg = self.block_config
+        self._drafting_projections = (_side_by_side([self.q_proj, self.k_proj, self.v_proj]),
+                                      _side_by_side([self.gate_proj, self.up_proj]),
+                                      [cfg.attention_heads * cfg.head_dim, cfg.kv_heads * cfg.head_dim,
+                                       cfg.kv_heads * cfg.head_dim])
+
+    _drafting_projections = None
+
     def extend_many(self, caches: list[BlockCache], features: list[torch.Tensor],
                     token_embeds: list[torch.Tensor],
                     layer_features: list[torch.Tensor] | None = None) -> list[torch.Tensor]:
@@ -271,39 +322,59 @@ class DraftBlock(DraftModule):
         outputs g [n_b, d], all requests in one pass. A draft is the same call on its
         chain's entries (no layer features), undone with `truncate` once the chain is
         drafted; `trim` drops what fell out of the window."""
-        cfg = self.block_config
-        device = features[0].device
         lengths = [f.shape[0] for f in features]
-        n = max(lengths)
-        pad = lambda t: F.pad(t, (0, 0, 0, n - t.shape[0]))  # noqa: E731
-        padded_layers = None
-        if layer_features is not None:
-            padded_layers = torch.stack([F.pad(t, (0, 0, 0, 0, 0, n - t.shape[0])) for t in layer_features])
-        x = self.fused_inputs(torch.stack([pad(f) for f in features]), torch.stack([pad(e) for e in token_embeds]),
-                              padded_layers)
-        starts = torch.tensor([c.length for c in caches], device=device)
-        positions = starts[:, None] + torch.arange(n, device=device)                         # [B, n]
-        q, k, v = self._qkv(x, positions)
-        # Each request's visible keys: the newest window entries before its new ones, then those.
+        if len(caches) == 1:  # nothing to pad
+            x = self.fused_inputs(features[0][None], token_embeds[0][None],
+                                  None if layer_features is None else layer_features[0][None])
+        else:
+            n = max(lengths)
+            pad = lambda t: F.pad(t, (0, 0, 0, n - t.shape[0]))  # noqa: E731
+            padded_layers = None
+            if layer_features is not None:
+                padded_layers = torch.stack([F.pad(t, (0, 0, 0, 0, 0, n - t.shape[0])) for t in layer_features])
+            x = self.fused_inputs(torch.stack([pad(f) for f in features]),
+                                  torch.stack([pad(e) for e in token_embeds]), padded_layers)
+        g = self._extend(caches, x, lengths)
+        return [g[b, :lengths[b]] for b in range(len(caches))]
+
+    def _extend(self, caches: list[BlockCache], x: torch.Tensor, lengths: list[int]) -> torch.Tensor:
+        """extend_many from the fused inputs x [B, n, d] (request b's first lengths[b] rows
+        real) -> g [B, n, d]. Positions and masks are built on x's device from the caches'
+        host-side lengths: no copy from the host, no sync."""
+        cfg = self.block_config
+        device = x.device
+        n = x.shape[1]
+        positions = torch.stack([torch.arange(c.length, c.length + n, device=device) for c in caches])  # [B, n]
+        h = self.attention_norm(x)
+        fused = self._drafting_projections
+        if fused is None:
+            q, k, v = self._split_heads(self.q_proj(h), self.k_proj(h), self.v_proj(h), positions)
+        else:
+            q, k, v = self._split_heads(*fused[0](h).split(fused[2], -1), positions)
+        # Each request's visible keys: its entries less than a window before its first new
+        # row, then its new ones. A query at p sees keys in (p - window, p].
         keys, values, key_positions = [], [], []
         for b, cache in enumerate(caches):
-            first = max(0, cache.size - cfg.window)
-            key_positions.append(torch.arange(cache.start + first, cache.length + lengths[b], device=device))
+            first = max(0, cache.size - cfg.window + 1)
+            key_positions.append((cache.start + first, cache.length + lengths[b]))
             cache.append(k[b, :, :lengths[b]], v[b, :, :lengths[b]])
             held_keys, held_values = cache.held(first)
             keys.append(held_keys)
             values.append(held_values)
-        width = max(kp.numel() for kp in key_positions)
         if len(caches) == 1:  # the cache's own views: nothing copied
             keys, values = keys[0][None], values[0][None]
         else:
+            width = max(hi - lo for lo, hi in key_positions)
             padded = lambda t: F.pad(t, (0, 0, 0, width - t.shape[1]))  # noqa: E731
             keys, values = torch.stack([padded(t) for t in keys]), torch.stack([padded(t) for t in values])
-        key_pos = torch.stack([F.pad(kp, (0, width - kp.numel()), value=-1) for kp in key_positions])  # [B, L]
-        seen = (key_pos[:, None, :] >= 0) & (key_pos[:, None, :] <= positions[:, :, None]) \
-            & (key_pos[:, None, :] > positions[:, :, None] - cfg.window)                     # [B, n, L]
-        g = self._finish(x, self._grouped_attention(q, keys, values, seen))
-        return [g[b, :lengths[b]] for b in range(len(caches))]
+        seen = None
+        if n > 1 or len(caches) > 1:  # one new row of one request sees every key it is given
+            key_pos = torch.stack([F.pad(torch.arange(lo, hi, device=device), (0, keys.shape[2] - (hi - lo)),
+                                         value=-1) for lo, hi in key_positions])                # [B, L]
+            seen = ((key_pos[:, None, :] >= 0) & (key_pos[:, None, :] <= positions[:, :, None])
+                    & (key_pos[:, None, :] > positions[:, :, None] - cfg.window))[:, None]       # [B, 1, n, L]
+        attended = F.scaled_dot_product_attention(q, keys, values, attn_mask=seen, enable_gqa=True)
+        return self._finish(x, attended, None if fused is None else fused[1])
 
     @staticmethod
     def truncate(cache: BlockCache, length: int) -> None:
@@ -322,6 +393,7 @@ class DraftBlock(DraftModule):
         output at its newest accepted position (depth 1); depth j reads depth j - 1's
         output and the token drafted from it. The caches end as they began."""
         ends = [c.length for c in caches]
+        one_each = [1] * len(caches)
         g, logits = newest, []
         for j in range(depth):
             logits.append(project(g))
@@ -330,11 +402,20 @@ class DraftBlock(DraftModule):
             token = logits[-1].argmax(-1)
             if draft_ids is not None:
                 token = draft_ids[token]
-            g = torch.cat(self.extend_many(caches, list(g[:, None]), list(embed(token)[:, None])))
+            g = self._extend(caches, self.fused_inputs(g[:, None], embed(token)[:, None]), one_each)[:, 0]
         for cache, end in zip(caches, ends):
             self.truncate(cache, end)
         return torch.stack(logits, 1)
 
+
+def _side_by_side(linears: list[nn.Module]):
+    """One product whose output is the linears' outputs side by side: INT8 where they are."""
+    from vllm_mtpspec.quant.int8_dynamic import Int8Linear
+
+    weight = torch.cat([linear.weight.detach() for linear in linears])
+    if all(isinstance(linear, Int8Linear) for linear in linears):
+        return Int8Linear.from_weight(weight)
+    return lambda h: F.linear(h, weight.to(h.dtype))
 
 def _rope_theta(model_config) -> float:
     """The target's RoPE base: newer transformers keep it in rope_parameters."""

@@ -59,9 +59,11 @@ class Int8Linear(nn.Linear):
         return cls.from_linear(linear)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        flat = x.reshape(-1, self.in_features).float().contiguous()
-        y = torch.ops.quantized.linear_dynamic(flat, self._int8, _REDUCE_RANGE)
-        return y.view(*x.shape[:-1], self.out_features).to(x.dtype)
+        flat = x.reshape(-1, self.in_features)
+        if flat.dtype != torch.float32 or not flat.is_contiguous():  # (a draft step's calls are many and small)
+            flat = flat.float().contiguous()
+        y = torch.ops.quantized.linear_dynamic(flat, self._int8, _REDUCE_RANGE).view(*x.shape[:-1], self.out_features)
+        return y if y.dtype == x.dtype else y.to(x.dtype)
 
 
 def int8_linears(module: nn.Module) -> int:

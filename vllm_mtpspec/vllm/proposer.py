@@ -191,6 +191,7 @@ class MTPSpecProposer:
         self._lm_head = lambda states: compute_logits(states.to(model_dtype))
         self._embed = getattr(target_model, "embed_input_ids", None) or target_model.get_input_embeddings
         if self.heads.config.head_kind == "attention":
+            self.heads.fuse_projections()
             self.block_contexts = BlockContexts(self.heads, self._embed)
         self._draft_ids = None
         if self.heads.draft_vocab is not None:
