@@ -43,17 +43,20 @@ torch.set_num_threads(args.threads)
 heads_new = load_heads(args.heads).float().eval()
 heads_old = old.DraftBlock(heads_new.config)
 heads_old.load_state_dict(heads_new.state_dict())
+from vllm_mtpspec.models import resolve_model  # noqa: E402
+from vllm_mtpspec.weights import embedding_and_lm_head  # noqa: E402
+embed, lm_head = embedding_and_lm_head(resolve_model("smollm2-135m-instruct", dtype="fp32"))
+d = heads_new.config.hidden_size
 if args.int8:
     from vllm_mtpspec.quant.int8_dynamic import Int8Linear, int8_linears  # noqa: E402
 
     for heads in (heads_old, heads_new):
         int8_linears(heads)
-        if hasattr(heads, "fuse_projections"):
-            heads.fuse_projections()
-from vllm_mtpspec.models import resolve_model  # noqa: E402
-from vllm_mtpspec.weights import embedding_and_lm_head  # noqa: E402
-embed, lm_head = embedding_and_lm_head(resolve_model("smollm2-135m-instruct", dtype="fp32"))
-d = heads_new.config.hidden_size
+for heads in (heads_old, heads_new):  # the form the proposer drafts with, where a tree has one
+    if hasattr(heads, "prepare_drafting"):
+        heads.prepare_drafting(None if heads_new.draft_vocab is None else embed[heads_new.draft_vocab])
+    elif hasattr(heads, "fuse_projections"):  # its first form, fused products only
+        heads.fuse_projections()
 
 
 def layer_states(rows: int, gen: torch.Generator):

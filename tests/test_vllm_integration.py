@@ -430,7 +430,8 @@ LAYERS_READ = [2, 15]
 @pytest.fixture(scope="module")
 def random_layer_block_dir(model_dir, tmp_path_factory):
     """An untrained draft block that also reads the states entering target layers 2 and
-    15 (EAGLE-3's features), through a fusion that is not zero."""
+    15 (EAGLE-3's features), through a fusion that is not zero, and drafts among a draft
+    vocabulary (so the proposer drafts with its token table: DraftBlock.prepare_drafting)."""
     import torch
 
     from vllm_mtpspec.checkpoint import save_heads
@@ -441,7 +442,8 @@ def random_layer_block_dir(model_dir, tmp_path_factory):
     block = init_draft_block(target.model, model_dir, num_heads=3, feature_layers=LAYERS_READ)
     with torch.no_grad():
         block.layer_fuse.weight.normal_(0.0, 0.02, generator=torch.Generator().manual_seed(0))
-    return save_heads(block, tmp_path_factory.mktemp("layer-block"))
+    draft_ids = torch.randperm(block.config.vocab_size, generator=torch.Generator().manual_seed(1))[:8192]
+    return save_heads(block.with_draft_vocab(draft_ids), tmp_path_factory.mktemp("layer-block"))
 
 
 @pytest.mark.parametrize("engine", ["chunked+prefix-cache, block reading layers", "preempting",

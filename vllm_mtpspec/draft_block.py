@@ -298,20 +298,34 @@ class DraftBlock(DraftModule):
         return self.extend_many([cache], [features], [token_embeds],
                                 None if layer_features is None else [layer_features])[0]
 
-    def fuse_projections(self) -> None:
-        """Drafting's q/k/v as one product and gate/up as another. At the handful of rows a
-        draft step has, a product costs mostly its fixed overhead, so two products replace
-        five. Built from the projections as they are now (INT8 where int8_linears made them
-        so), on their device: call it after moving the block and before drafting, never
-        before training it further. They are held outside the registered children, so the
-        block saves and trains as before; `unrolled` keeps reading the separate ones."""
-        cfg = self.block_config
-        self._drafting_projections = (_side_by_side([self.q_proj, self.k_proj, self.v_proj]),
-                                      _side_by_side([self.gate_proj, self.up_proj]),
-                                      [cfg.attention_heads * cfg.head_dim, cfg.kv_heads * cfg.head_dim,
-                                       cfg.kv_heads * cfg.head_dim])
+    def prepare_drafting(self, drafted_token_embeds: torch.Tensor | None = None) -> None:
+        """Drafting in fewer, larger operations. At the handful of rows a draft step has, an
+        operation costs mostly its fixed overhead and reading its weights again:
+        - q/k/v run as one product, gate/up as another;
+        - with drafted_token_embeds [N, d], the embeddings of the draft vocabulary's tokens
+          in its order, a drafted token's half of the fused input is a row of a table
+          (fuse's token columns applied to each normalized embedding, once, here), looked
+          up by the token's draft-vocabulary index: no embedding, norm or product for it
+          at each depth. draft_chains must then be given that vocabulary's draft_ids.
+        Built from the weights as they are now (INT8 where int8_linears made them so), on
+        their device: call it after moving the block and before drafting, never before
+        training it further. Held outside the registered children, so the block saves and
+        trains as before; `unrolled` and the context's entries read the separate weights."""
+        cfg, d = self.block_config, self.config.hidden_size
+        token_inputs = feature_fuse = None
+        if drafted_token_embeds is not None:
+            dtype = self.fuse.weight.dtype
+            with torch.no_grad():
+                token_inputs = F.linear(self.token_norm(_in_dtype(drafted_token_embeds, dtype)),
+                                        self.fuse.weight[:, d:].detach())
+            feature_fuse = _side_by_side([self.fuse], columns=slice(0, d))
+        self._drafting = _DraftingForm(
+            qkv=_side_by_side([self.q_proj, self.k_proj, self.v_proj]),
+            qkv_sizes=[cfg.attention_heads * cfg.head_dim, cfg.kv_heads * cfg.head_dim, cfg.kv_heads * cfg.head_dim],
+            gate_up=_side_by_side([self.gate_proj, self.up_proj]),
+            feature_fuse=feature_fuse, token_inputs=token_inputs)
 
-    _drafting_projections = None
+    _drafting: "_DraftingForm | None" = None
 
     def extend_many(self, caches: list[BlockCache], features: list[torch.Tensor],
                     token_embeds: list[torch.Tensor],
@@ -346,11 +360,11 @@ class DraftBlock(DraftModule):
         n = x.shape[1]
         positions = torch.stack([torch.arange(c.length, c.length + n, device=device) for c in caches])  # [B, n]
         h = self.attention_norm(x)
-        fused = self._drafting_projections
-        if fused is None:
+        drafting = self._drafting
+        if drafting is None:
             q, k, v = self._split_heads(self.q_proj(h), self.k_proj(h), self.v_proj(h), positions)
         else:
-            q, k, v = self._split_heads(*fused[0](h).split(fused[2], -1), positions)
+            q, k, v = self._split_heads(*drafting.qkv(h).split(drafting.qkv_sizes, -1), positions)
         # Each request's visible keys: its entries less than a window before its first new
         # row, then its new ones. A query at p sees keys in (p - window, p].
         keys, values, key_positions = [], [], []
@@ -374,7 +388,7 @@ class DraftBlock(DraftModule):
             seen = ((key_pos[:, None, :] >= 0) & (key_pos[:, None, :] <= positions[:, :, None])
                     & (key_pos[:, None, :] > positions[:, :, None] - cfg.window))[:, None]       # [B, 1, n, L]
         attended = F.scaled_dot_product_attention(q, keys, values, attn_mask=seen, enable_gqa=True)
-        return self._finish(x, attended, None if fused is None else fused[1])
+        return self._finish(x, attended, None if drafting is None else drafting.gate_up)
 
     @staticmethod
     def truncate(cache: BlockCache, length: int) -> None:
@@ -392,6 +406,11 @@ class DraftBlock(DraftModule):
         """Logits [B, depth, N] along each request's own top-1 chain: newest [B, d] is the
         output at its newest accepted position (depth 1); depth j reads depth j - 1's
         output and the token drafted from it. The caches end as they began."""
+        drafting = self._drafting
+        token_inputs = None if drafting is None else drafting.token_inputs
+        if token_inputs is not None and (draft_ids is None or draft_ids.shape[0] != token_inputs.shape[0]):
+            raise ValueError(f"prepare_drafting was given the embeddings of {token_inputs.shape[0]} draft tokens, and "
+                             f"draft_chains {'no draft vocabulary' if draft_ids is None else draft_ids.shape[0]}")
         ends = [c.length for c in caches]
         one_each = [1] * len(caches)
         g, logits = newest, []
@@ -399,23 +418,39 @@ class DraftBlock(DraftModule):
             logits.append(project(g))
             if j + 1 == depth:
                 break
-            token = logits[-1].argmax(-1)
-            if draft_ids is not None:
-                token = draft_ids[token]
-            g = self._extend(caches, self.fused_inputs(g[:, None], embed(token)[:, None]), one_each)[:, 0]
+            index = logits[-1].argmax(-1)
+            if token_inputs is not None:
+                x = drafting.feature_fuse(self.feature_norm(_in_dtype(g, token_inputs.dtype))) + token_inputs[index]
+                x = x[:, None]
+            else:
+                token = index if draft_ids is None else draft_ids[index]
+                x = self.fused_inputs(g[:, None], embed(token)[:, None])
+            g = self._extend(caches, x, one_each)[:, 0]
         for cache, end in zip(caches, ends):
             self.truncate(cache, end)
         return torch.stack(logits, 1)
 
 
-def _side_by_side(linears: list[nn.Module]):
-    """One product whose output is the linears' outputs side by side: INT8 where they are."""
+@dataclass
+class _DraftingForm:
+    """What prepare_drafting builds (see there)."""
+    qkv: object                          # h -> [q | k | v]
+    qkv_sizes: list[int]
+    gate_up: object                      # h -> [gate | up]
+    feature_fuse: object | None          # fuse's feature columns: norm(g) -> its half of the input
+    token_inputs: torch.Tensor | None    # [N, d]: each draft token's half of the input
+
+
+def _side_by_side(linears: list[nn.Module], columns: slice = slice(None)):
+    """One product whose output is the linears' outputs side by side (over the given input
+    columns of their weights): INT8 where they are."""
     from vllm_mtpspec.quant.int8_dynamic import Int8Linear
 
-    weight = torch.cat([linear.weight.detach() for linear in linears])
+    weight = torch.cat([linear.weight.detach()[:, columns] for linear in linears]).contiguous()
     if all(isinstance(linear, Int8Linear) for linear in linears):
         return Int8Linear.from_weight(weight)
-    return lambda h: F.linear(h, weight.to(h.dtype))
+    return lambda h: F.linear(h, _in_dtype(weight, h.dtype))
+
 
 def _rope_theta(model_config) -> float:
     """The target's RoPE base: newer transformers keep it in rope_parameters."""

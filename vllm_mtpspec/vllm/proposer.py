@@ -191,7 +191,6 @@ class MTPSpecProposer:
         self._lm_head = lambda states: compute_logits(states.to(model_dtype))
         self._embed = getattr(target_model, "embed_input_ids", None) or target_model.get_input_embeddings
         if self.heads.config.head_kind == "attention":
-            self.heads.fuse_projections()
             self.block_contexts = BlockContexts(self.heads, self._embed)
         self._draft_ids = None
         if self.heads.draft_vocab is not None:
@@ -200,6 +199,9 @@ class MTPSpecProposer:
                                             model=self.model_path, heads_dir=self.options.heads)
             self._lm_head = (Int8Linear.from_weight(rows.to(self.device)) if self.int8_drafts
                              else SlicedLMHead(rows.to(self.device, self.draft_dtype)))
+        if self.block_contexts is not None:
+            with torch.no_grad():
+                self.heads.prepare_drafting(None if self._draft_ids is None else self._embed(self._draft_ids))
         options = self.options
         builder = dict(min_path_prob=options.min_path_prob, dynamic_top_k=options.dynamic_top_k,
                        rank_accuracy=options.head_rank_accuracy or self.heads.config.rank_accuracy)
