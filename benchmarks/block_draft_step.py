@@ -6,9 +6,9 @@ steps interleaved, and whether the logits agree.
     python benchmarks/block_draft_step.py --against 6fd6ed2 --heads runs/block-v1-dv16k --threads 2
     python benchmarks/block_draft_step.py --against 9eb901e --heads runs/block-v2-layers-dv8k --int8 --accepted 3
 
---int8 drafts as the proposer does on CPUs without bf16: the block's matrices and the LM
-head's rows in INT8 (and this tree's fused projections, where it has them). A block that reads
-target layers gets random states for them.
+Each tree drafts in the form its proposer drafted with (prepare_drafting, where the tree has
+it). --int8 drafts as the proposer does on CPUs without bf16: the block's matrices and the LM
+head's rows in INT8. A block that reads target layers gets random states for them.
 """
 import argparse
 import importlib.util

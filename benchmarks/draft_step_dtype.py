@@ -45,6 +45,8 @@ def draft_step(path: str, dtype: str, batch: int, context: int, embed: torch.Ten
     if heads.config.head_kind != "attention":
         return lambda: heads.draft_logits(h, table[tokens], heads.num_heads, project,
                                           lambda t: table[t], heads.draft_vocab).argmax(-1)
+    # As the proposer drafts: fused products, a drafted token's input half from a table.
+    heads.prepare_drafting(None if heads.draft_vocab is None else table[heads.draft_vocab])
     layers = len(heads.feature_layers or [])
 
     def layer_states(n):

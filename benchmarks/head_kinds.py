@@ -82,6 +82,8 @@ def draft_step_ms(heads, lm_head, embed, repeats: int, context: int = 256) -> fl
     d, k = heads.config.hidden_size, heads.num_heads
     h, token = torch.randn(1, d), torch.randint(0, embed.shape[0], (1,))
     if heads.config.head_kind == "attention":
+        # As the proposer drafts: fused products, a drafted token's input half from a table.
+        heads.prepare_drafting(None if heads.draft_vocab is None else embed[heads.draft_vocab])
         cache = heads.empty_cache()
         n = len(heads.feature_layers)  # states entering target layers, where the block reads them
         layers = (lambda rows: torch.randn(rows, n, d)) if n else (lambda rows: None)
