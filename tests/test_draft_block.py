@@ -5,7 +5,7 @@ import torch
 
 from vllm_mtpspec.checkpoint import HeadsError, load_heads, save_heads
 from vllm_mtpspec.config import BlockConfig, ConfigError, HeadsConfig
-from vllm_mtpspec.draft_block import DraftBlock, rope
+from vllm_mtpspec.draft_block import DraftBlock, rotary, rotate
 
 D, VOCAB = 32, 50
 
@@ -175,7 +175,8 @@ def test_padding_does_not_reach_real_positions():
 
 def test_rope_rotates_by_distance():
     q, k = torch.randn(1, 8, dtype=torch.float64), torch.randn(1, 8, dtype=torch.float64)
-    score = lambda a, b: (rope(q, torch.tensor([a]), 100.0) * rope(k, torch.tensor([b]), 100.0)).sum()  # noqa: E731
+    rope = lambda x, p: rotate(x, *rotary(torch.tensor([p]), x.shape[-1], 100.0, x.dtype))  # noqa: E731
+    score = lambda a, b: (rope(q, a) * rope(k, b)).sum()  # noqa: E731
     torch.testing.assert_close(score(5, 2), score(13, 10))
     assert not torch.allclose(score(5, 2), score(5, 4))
 

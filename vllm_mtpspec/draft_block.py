@@ -97,11 +97,6 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
     return x * cos + torch.cat([-x[..., half:], x[..., :half]], -1) * sin
 
 
-def rope(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
-    """x [..., T, hd] rotated by the angles of positions [..., T]."""
-    return rotate(x, *rotary(positions, x.shape[-1], theta, x.dtype))
-
-
 @dataclass
 class BlockCache:
     """One request's context entries at positions start .. start + size - 1.
@@ -194,21 +189,23 @@ class DraftBlock(DraftModule):
         # Every input normalized in one pass, then each by its own norm's weight.
         normed = _normalized(inputs, self.block_config.rms_norm_eps) * torch.stack(
             [_in_dtype(norm.weight, dtype) for norm in norms])
-        d = features.shape[-1]
-        if not reads_layers:
-            return self.fuse(normed.flatten(-2))
         flat = normed.flatten(-2)
+        if not reads_layers:
+            return self.fuse(flat)
+        d = features.shape[-1]
         return self.fuse(flat[..., :2 * d]) + self.layer_fuse(flat[..., 2 * d:])
 
-    def _qkv(self, x: torch.Tensor, positions: torch.Tensor):
-        """x [B, T, d] at positions [B, T] -> q [B, H, T, hd], k and v [B, KV, T, hd]."""
-        h = self.attention_norm(x)
-        return self._split_heads(self.q_proj(h), self.k_proj(h), self.v_proj(h), positions)
-
-    def _split_heads(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor):
-        """The projections [B, T, *] -> rotated q [B, H, T, hd], k [B, KV, T, hd], and v."""
-        b, t, _ = q.shape
+    def _qkv(self, x: torch.Tensor, positions: torch.Tensor, qkv=None):
+        """x [B, T, d] at positions [B, T] -> q [B, H, T, hd], k and v [B, KV, T, hd].
+        qkv: q_proj, k_proj and v_proj as one product (drafting's fused projections)."""
         cfg = self.block_config
+        h = self.attention_norm(x)
+        if qkv is None:
+            q, k, v = self.q_proj(h), self.k_proj(h), self.v_proj(h)
+        else:
+            q, k, v = qkv(h).split([cfg.attention_heads * cfg.head_dim, cfg.kv_heads * cfg.head_dim,
+                                     cfg.kv_heads * cfg.head_dim], -1)
+        b, t, _ = q.shape
         q = q.reshape(b, t, cfg.attention_heads, cfg.head_dim).transpose(1, 2)
         k = k.reshape(b, t, cfg.kv_heads, cfg.head_dim).transpose(1, 2)
         v = v.reshape(b, t, cfg.kv_heads, cfg.head_dim).transpose(1, 2)
@@ -311,7 +308,7 @@ class DraftBlock(DraftModule):
         their device: call it after moving the block and before drafting, never before
         training it further. Held outside the registered children, so the block saves and
         trains as before; `unrolled` and the context's entries read the separate weights."""
-        cfg, d = self.block_config, self.config.hidden_size
+        d = self.config.hidden_size
         token_inputs = feature_fuse = None
         if drafted_token_embeds is not None:
             dtype = self.fuse.weight.dtype
@@ -321,7 +318,6 @@ class DraftBlock(DraftModule):
             feature_fuse = _side_by_side([self.fuse], columns=slice(0, d))
         self._drafting = _DraftingForm(
             qkv=_side_by_side([self.q_proj, self.k_proj, self.v_proj]),
-            qkv_sizes=[cfg.attention_heads * cfg.head_dim, cfg.kv_heads * cfg.head_dim, cfg.kv_heads * cfg.head_dim],
             gate_up=_side_by_side([self.gate_proj, self.up_proj]),
             feature_fuse=feature_fuse, token_inputs=token_inputs)
 
@@ -359,12 +355,8 @@ class DraftBlock(DraftModule):
         device = x.device
         n = x.shape[1]
         positions = torch.stack([torch.arange(c.length, c.length + n, device=device) for c in caches])  # [B, n]
-        h = self.attention_norm(x)
         drafting = self._drafting
-        if drafting is None:
-            q, k, v = self._split_heads(self.q_proj(h), self.k_proj(h), self.v_proj(h), positions)
-        else:
-            q, k, v = self._split_heads(*drafting.qkv(h).split(drafting.qkv_sizes, -1), positions)
+        q, k, v = self._qkv(x, positions, None if drafting is None else drafting.qkv)
         # Each request's visible keys: its entries less than a window before its first new
         # row, then its new ones. A query at p sees keys in (p - window, p].
         keys, values, key_positions = [], [], []
@@ -435,7 +427,6 @@ class DraftBlock(DraftModule):
 class _DraftingForm:
     """What prepare_drafting builds (see there)."""
     qkv: object                          # h -> [q | k | v]
-    qkv_sizes: list[int]
     gate_up: object                      # h -> [gate | up]
     feature_fuse: object | None          # fuse's feature columns: norm(g) -> its half of the input
     token_inputs: torch.Tensor | None    # [N, d]: each draft token's half of the input
