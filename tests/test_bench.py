@@ -298,17 +298,23 @@ def test_a_methods_note_names_it_once(tmp_path):
     assert "none (again): none (again)" not in table
 
 
-def test_an_int2_row_the_heads_cannot_take_is_reported_not_run(tiny_model, tiny_model_dir, tmp_path):
-    """A draft block has no INT2 form: its INT2 row says so, and the other rows still run."""
-    from vllm_mtpspec.checkpoint import save_heads
+def test_a_blocks_int2_row_serves_its_int2_copy_and_int2_heads_get_one_row_labelled_so(tiny_model, tiny_model_dir,
+                                                                                         tmp_path):
+    from vllm_mtpspec.checkpoint import read_heads_config, save_heads
     from vllm_mtpspec.heads_init import init_draft_block
 
-    block = save_heads(init_draft_block(tiny_model, tiny_model_dir, num_heads=2), tmp_path / "b1")
-    methods = build_methods(["mtpspec-chain"], model_dir="m", heads_dirs=[str(block)], num_heads=[2],
+    block = init_draft_block(tiny_model, tiny_model_dir, num_heads=2)
+    full = save_heads(block, tmp_path / "b1")
+    methods = build_methods(["mtpspec-chain"], model_dir="m", heads_dirs=[str(full)], num_heads=[2],
                             quants=["fp", "int2"], tree="consensus", work_dir=tmp_path)
     assert [m.name for m in methods] == ["mtpspec-chain k=2 +lookup block", "mtpspec-chain k=2 +lookup block int2"]
-    assert methods[0].unavailable is None
-    assert "head_kind='attention'" in methods[1].unavailable and "parallel or sequential" in methods[1].unavailable
+    assert all(m.unavailable is None for m in methods)
+    assert read_heads_config(methods[0].speculative_config["model"]).quantization is None
+    assert read_heads_config(methods[1].speculative_config["model"]).quantization.method == "rtn"
+    int2 = save_heads(block.quantized(group_size=32), tmp_path / "b1-int2")
+    methods = build_methods(["mtpspec-chain"], model_dir="m", heads_dirs=[str(int2)], num_heads=[2],
+                            quants=["fp", "int2"], tree="consensus", work_dir=tmp_path)
+    assert [(m.name, m.speculative_config["model"]) for m in methods] == [("mtpspec-chain k=2 +lookup block int2", str(int2))]
 
 
 def test_a_tree_row_the_heads_cannot_draft_is_reported_not_run(tiny_model, tiny_model_dir, tmp_path):
@@ -347,3 +353,8 @@ def test_the_heads_memory_table_gives_untied_figures_for_parallel_heads_only(tin
     rows = heads_memory(str(block), str(tiny_model_dir), None)
     assert [(r["heads"], r["quant"]) for r in rows] == [("draft block", "fp")]
     assert rows[0]["bytes"] == (block / "heads.safetensors").stat().st_size
+    int2 = save_heads(init_draft_block(tiny_model, tiny_model_dir, num_heads=2).quantized(group_size=32),
+                      tmp_path / "b-int2")
+    rows = heads_memory(str(int2), str(tiny_model_dir), None, name="b-int2")  # an INT2 directory, as it is
+    assert [(r["heads"], r["quant"]) for r in rows] == [("draft block [b-int2]", "int2")]
+    assert rows[0]["bytes"] == (int2 / "heads.safetensors").stat().st_size < rows[0]["model_bytes"]

@@ -125,8 +125,17 @@ def test_heads_draft_vocab_keeps_the_most_frequent_answer_tokens(tiny_model_dir,
     assert "--size 0: must lie in 1..256" in capsys.readouterr().err
 
 
-def test_a_draft_block_is_made_inspected_and_scored_and_refused_where_it_cannot_run(tiny_smol_teacher, tmp_path,
-                                                                                   capsys):
+def scored(heads, shards, model, capsys) -> str:
+    """What `mtpspec eval-heads` prints for heads on the tiny test answers' shards."""
+    capsys.readouterr()
+    assert main(["eval-heads", "--model", str(model), "--heads", str(heads), "--prompts", str(shards)]) == 0
+    printed = capsys.readouterr().out
+    assert "11 positions" in printed and "top-1 when the heads before it were right" in printed
+    return printed
+
+
+def test_a_draft_block_is_made_inspected_quantized_and_scored_and_refused_data_it_cannot_read(tiny_smol_teacher,
+                                                                                             tmp_path, capsys):
     from training.answers import answers_path, shards_from_answers, write_answers
     from vllm_mtpspec.checkpoint import load_heads, model_fingerprint
 
@@ -138,8 +147,8 @@ def test_a_draft_block_is_made_inspected_and_scored_and_refused_where_it_cannot_
     info = json.loads(capsys.readouterr().out)
     assert info["head_kind"] == "attention" and info["block"]["kv_heads"] == 1 and "mlp_size" not in info
     assert info["parameters"] == sum(t.numel() for t in load_heads(out).state_dict().values())
-    assert main(["heads", "quantize", str(out), "--out", str(tmp_path / "q")]) == 2
-    assert "block/config.json: head_kind='attention'" in capsys.readouterr().err
+    assert main(["heads", "quantize", str(out), "--out", str(tmp_path / "rtn")]) == 0
+    assert load_heads(tmp_path / "rtn").is_quantized
     answers = tmp_path / "answers"
     write_answers(answers_path(answers, 0), ["a", "b"], ["general", "code"], [[1, 9, 40, 7], [5, 6, 7, 8, 9]],
                   [[11, 12, 13, 14, 15, 16], [20, 21, 22, 23, 24, 25, 26]],
@@ -148,11 +157,18 @@ def test_a_draft_block_is_made_inspected_and_scored_and_refused_where_it_cannot_
     assert main(["eval-heads", "--model", str(tiny_smol_teacher), "--heads", str(out),
                  "--prompts", str(tmp_path / "answer-rows")]) == 2
     assert "carry none (context_hidden)" in capsys.readouterr().err
+    gptq = ["heads", "quantize", str(out), "--method", "gptq", "--model", str(tiny_smol_teacher), "--out",
+            str(tmp_path / "gptq"), "--calibration"]
+    assert main(gptq + [str(tmp_path / "answer-rows")]) == 2
+    assert "answer-rows/shard-00000.pt: an attention draft block is calibrated on answers read with the prompt " \
+           "rows before them, and this shard keeps none" in capsys.readouterr().err
     shards_from_answers(tiny_smol_teacher, answers, tmp_path / "with-context", top_k=4, context_rows=512)
-    assert main(["eval-heads", "--model", str(tiny_smol_teacher), "--heads", str(out),
-                 "--prompts", str(tmp_path / "with-context")]) == 0
-    printed = capsys.readouterr().out
-    assert "11 positions" in printed and "top-1 when the heads before it were right" in printed
+    assert main(gptq + [str(tmp_path / "with-context")]) == 0
+    quantization = load_heads(tmp_path / "gptq").config.quantization
+    # Both answers, each whole.
+    assert quantization.method == "gptq" and quantization.calibration.startswith(f"{6 + 7} answer rows")
+    for heads in (out, tmp_path / "gptq"):
+        printed = scored(heads, tmp_path / "with-context", tiny_smol_teacher, capsys)
     assert "chain+lookup (prompt lookup's draft where found" in printed
     shutil.copytree(tmp_path / "with-context", tmp_path / "second-source")
     assert main(["eval-heads", "--model", str(tiny_smol_teacher), "--heads", str(out),
@@ -195,8 +211,4 @@ def test_every_head_kind_is_inspected_cast_and_scored_with_and_without_a_draft_v
                  "--out", str(tmp_path / "dv")]) == 0
     assert load_heads(tmp_path / "dv").draft_vocab.numel() == 8
     for heads in (out, tmp_path / "dv"):
-        capsys.readouterr()
-        assert main(["eval-heads", "--model", str(tiny_smol_teacher), "--heads", str(heads),
-                     "--prompts", str(tmp_path / "rows")]) == 0
-        printed = capsys.readouterr().out
-        assert "11 positions" in printed and "top-1 when the heads before it were right" in printed
+        scored(heads, tmp_path / "rows", tiny_smol_teacher, capsys)

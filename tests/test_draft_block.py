@@ -382,9 +382,11 @@ def test_a_block_with_a_draft_vocabulary_drafts_the_whole_blocks_chain_among_its
 
 
 @torch.no_grad()
-def test_reference_decoding_with_a_draft_vocabulary_block_is_lossless(smollm2_fp32):
-    """A block drafting among a draft vocabulary on the real SmolLM2: the output is the
-    model's own, and every drafted token is one the vocabulary holds."""
+@pytest.mark.parametrize("matrices", ["fp32", "int2"])
+def test_reference_decoding_with_a_draft_vocabulary_block_is_lossless(smollm2_fp32, matrices):
+    """A block drafting among a draft vocabulary on the real SmolLM2 (in full precision or
+    INT2): the output is the model's own, and every drafted token is one the vocabulary
+    holds."""
     from vllm_mtpspec.config import SpecOptions
     from vllm_mtpspec.drafter import drafter_for
     from vllm_mtpspec.prompts import apply_chat_template
@@ -397,7 +399,10 @@ def test_reference_decoding_with_a_draft_vocabulary_block_is_lossless(smollm2_fp
     # Most of the answer's tokens and a spread of others; a few of the answer's left out.
     answer = sorted(set(expected))
     ids = torch.tensor(sorted(set(answer[: -3]) | set(range(0, model.config.vocab_size, 17))))
-    block = tiny_block_for(model).with_draft_vocab(ids)
+    block = tiny_block_for(model)
+    if matrices == "int2":
+        block = block.quantized(group_size=64)
+    block = block.with_draft_vocab(ids)
     drafter = drafter_for(block, model)
     drafted = []
     draft = drafter.head_logits
@@ -497,14 +502,17 @@ def test_drafted_chains_are_the_unrolled_pass_along_their_own_drafts_and_leave_t
 
 
 @torch.no_grad()
-@pytest.mark.parametrize("int8", [False, True])
+@pytest.mark.parametrize("matrices", ["fp32", "int8", "int2"])
 @pytest.mark.parametrize("draft_vocab", [False, True])
-def test_the_drafting_form_drafts_what_the_separate_weights_draft_and_is_never_saved(tmp_path, int8, draft_vocab):
+def test_the_drafting_form_drafts_what_the_separate_weights_draft_and_is_never_saved(tmp_path, matrices, draft_vocab):
     from vllm_mtpspec.quant.int8_dynamic import int8_linears
 
     block = make_block(num_heads=4, feature_layers=(1,)).float()
+    int8 = matrices == "int8"
     if int8:
         int8_linears(block)
+    if matrices == "int2":
+        block = block.quantized(group_size=16)
     features, embed, tokens = random_sequence(16)
     features, embed = features.float(), embed.float()
     layers = torch.randn(16, 1, D, generator=torch.Generator().manual_seed(3))
@@ -544,6 +552,40 @@ def test_the_drafting_form_drafts_what_the_separate_weights_draft_and_is_never_s
         save_heads(block, tmp_path)
         loaded = load_heads(tmp_path)
         assert loaded.state_dict().keys() == saved_before.keys()
+
+
+@torch.no_grad()
+def test_an_int2_block_computes_what_its_codes_stand_for_and_saves_them(tmp_path):
+    from vllm_mtpspec.quant import Int2Linear, dequantize_int2
+
+    block = make_block(num_heads=3, feature_layers=(1,)).float()
+    int2 = block.quantized(group_size=16, method="rtn")
+    names = [name for name, m in block.named_modules() if isinstance(m, torch.nn.Linear)]
+    assert len(names) == 9 and all(isinstance(int2.get_submodule(name), Int2Linear) for name in names)
+    assert int2.is_quantized and not int2.training and int2.config.quantization.group_size == 16
+    # The block with each matrix replaced by the values its codes stand for (norms kept).
+    dequantized = make_block(num_heads=3, feature_layers=(1,)).float()
+    for name in names:
+        dequantized.get_submodule(name).weight.copy_(dequantize_int2(int2.get_submodule(name).qweight))
+    features, embed, tokens = random_sequence(12)
+    features, embed = features.float(), embed.float()
+    layers = torch.randn(12, 1, D, generator=torch.Generator().manual_seed(3))
+
+    def states(b):
+        t = features.shape[0]
+        return b.unrolled(features[None], [embed[tokens[i:i + t]][None] for i in range(3)], torch.arange(t)[None],
+                          torch.ones(1, t, dtype=torch.bool), layers[None])
+
+    got, full = states(int2), states(block)
+    for g, expected, original in zip(got, states(dequantized), full):
+        torch.testing.assert_close(g, expected, atol=1e-5, rtol=1e-5)
+        assert not torch.allclose(g, original, atol=1e-3)  # 2-bit codes are not the weights
+    loaded = load_heads(save_heads(int2, tmp_path))
+    assert loaded.is_quantized and loaded.config.quantization.method == "rtn"
+    for g, again in zip(got, states(loaded)):
+        torch.testing.assert_close(again, g)
+    with pytest.raises(ValueError, match="already quantized"):
+        int2.quantized()
 
 
 @torch.no_grad()

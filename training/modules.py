@@ -99,15 +99,18 @@ class BlockModule(PosthocModule):
         return losses.total, {"loss": losses.total.item(), **_head_metrics(losses)}
 
 
-def unroll_sequences(block, seqs: list[dict], embed: torch.Tensor) -> torch.Tensor:
+def unroll_sequences(block, seqs: list[dict], embed: torch.Tensor, query_rows: torch.Tensor | None = None
+                     ) -> torch.Tensor:
     """answer_sequence()s through DraftBlock.unrolled: [B, T, k, d], every position's
-    chain (what training and the held-out scorer both read)."""
+    chain (what training and the held-out scorer both read); with query_rows [B, Q], the
+    chains of those rows only, [B, Q, k, d]."""
     device = embed.device
     batch = {key: value.to(device) for key, value in pad_sequences(seqs, depth=block.num_heads).items()}
     t = batch["features"].shape[1]
     token_embeds = [embed[batch["tokens"][:, i:i + t]] for i in range(block.num_heads)]  # depth i + 1 reads s_{p+i+1}
     return torch.stack(block.unrolled(batch["features"].float(), token_embeds, batch["positions"], batch["valid"],
-                                      batch.get("layer_features")), 2)
+                                      batch.get("layer_features"),
+                                      None if query_rows is None else query_rows.to(device)), 2)
 
 
 def pad_sequences(seqs: list[dict], *, depth: int) -> dict[str, torch.Tensor]:

@@ -1,5 +1,6 @@
 """Calibration inputs for quantizing heads: rows of self-distillation shards (the
-target's hidden states and the tokens they produced), the heads' own inputs."""
+target's hidden states and the tokens they produced), the heads' own inputs; for an
+attention draft block, whole answers with the prompt rows before them."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -57,6 +58,41 @@ def statistics_from_rows(heads: MTPHeads, chunks, *, embed: torch.Tensor, lm_hea
     return input_statistics(heads.float(), batches(), lm_head=lambda x: x @ lm_head.T)
 
 
+@torch.inference_mode()
+def block_statistics_from_shards(block, files: list[Path], max_rows: int, *, embed: torch.Tensor,
+                                 read: list[Path]):
+    """(input statistics of every matrix of an attention draft block, answer rows read):
+    each answer of the shards is read with the prompt rows before it, as drafting reads
+    it (every row's context entry, then each answer row's chain along the answer's own
+    tokens), until max_rows answer rows. The files opened are appended to `read`."""
+    from training.examples import answer_sequence, has_context_rows
+    from training.modules import unroll_sequences
+    from vllm_mtpspec.heads_quant import recorded_inputs
+    from vllm_mtpspec.quant import QuantError
+
+    rows = 0
+    with recorded_inputs(block) as stats:
+        for file in files:
+            if rows >= max_rows:
+                break
+            shard = torch.load(file, weights_only=True)
+            read.append(file)
+            if not has_context_rows(shard):
+                layers = block.feature_layers
+                raise QuantError(f"--calibration {file}: an attention draft block is calibrated on answers read with "
+                                 "the prompt rows before them, and this shard keeps none (context_hidden): build "
+                                 "shards with `python -m training.data --context-rows 512"
+                                 + (f" --feature-layers {','.join(map(str, layers))}" if layers else "") + "`")
+            for j in range(len(shard["offsets"]) - 1):
+                if rows >= max_rows:
+                    break
+                seq = answer_sequence(shard, j, block.feature_layers)
+                answer_rows = torch.arange(seq["first_answer_row"], seq["tokens"].numel())[None]
+                unroll_sequences(block, [seq], embed, query_rows=answer_rows)
+                rows += answer_rows.shape[1]
+    return stats, rows
+
+
 def heads_statistics_from_shards(heads: MTPHeads, shards_dir: str | Path, *, model: str, max_rows: int):
     """(input statistics per matrix, a description of the data for the heads config)."""
     from vllm_mtpspec.models import resolve_model
@@ -67,7 +103,11 @@ def heads_statistics_from_shards(heads: MTPHeads, shards_dir: str | Path, *, mod
     embed, lm_head = embedding_and_lm_head(resolve_model(model, dtype="fp32"))
     if embed.shape[1] != heads.config.hidden_size:
         raise QuantError(f"--model {model}: hidden size {embed.shape[1]}, the heads' is {heads.config.hidden_size}")
-    rows, read = [0], []
+    read = []
+    if heads.config.head_kind == "attention":
+        stats, rows = block_statistics_from_shards(heads.float(), files, max_rows, embed=embed, read=read)
+        return stats, f"{rows} answer rows (with their context) of {Path(shards_dir).name}/{read[0].name}..{read[-1].name}"
+    rows = [0]
 
     def counted():
         for hidden, tokens in shard_rows(files, max_rows, read):

@@ -30,15 +30,6 @@ class HeadsError(ValueError):
     """A heads directory that cannot serve: the message says which file and what to do."""
 
 
-def require_mlp_heads(heads: DraftModule, heads_dir, *, where: str) -> None:
-    """Refuses a head kind that `where` cannot run yet (an attention draft block), at
-    start-up, rather than drafting garbage."""
-    if heads.config.head_kind not in ("parallel", "sequential"):
-        raise HeadsError(f"{heads_dir}/config.json: head_kind={heads.config.head_kind!r}, and {where} runs "
-                         "parallel or sequential heads only so far; score these with `mtpspec eval-heads` or "
-                         "`mtpspec decode`, and serve them in full precision")
-
-
 def save_heads(heads: DraftModule, out_dir: str | Path) -> Path:
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)

@@ -122,8 +122,7 @@ def cmd_heads_info(args) -> int:
 
 
 def cmd_heads_quantize(args) -> int:
-    from vllm_mtpspec.checkpoint import load_heads, require_mlp_heads, save_heads
-
+    from vllm_mtpspec.checkpoint import load_heads, save_heads
     from vllm_mtpspec.heads_quant import quantize_heads
     from vllm_mtpspec.quant import QuantError
 
@@ -136,7 +135,6 @@ def cmd_heads_quantize(args) -> int:
         raise QuantError("--calibration is only read by the calibrated methods (search, gptq, gptq-refit); "
                          "round-to-nearest (rtn) needs none")
     heads = load_heads(args.dir)
-    require_mlp_heads(heads, args.dir, where="`mtpspec heads quantize`")
     statistics, described = None, None
     if args.method != "rtn":
         from vllm_mtpspec.calibration_data import heads_statistics_from_shards
@@ -428,8 +426,11 @@ def build_parser() -> argparse.ArgumentParser:
                         "codes with every row's ranges refitted to them by least squares on the calibration inputs")
     p.add_argument("--calibration", default=None,
                    help="search/gptq/gptq-refit: a folder of training shards (shard-*.pt) whose hidden states and tokens are "
-                        "the heads' inputs")
-    p.add_argument("--calibration-rows", type=int, default=32768, help="rows of the shards to read (default 32768)")
+                        "the heads' inputs; an attention draft block needs shards with the prompt rows before each answer "
+                        "(python -m training.data --context-rows 512, and --feature-layers where the block reads them)")
+    p.add_argument("--calibration-rows", type=int, default=32768,
+                   help="rows of the shards to read (an attention draft block: answer rows, each answer whole; "
+                        "default 32768)")
     p.add_argument("--model", default="smollm2-135m-instruct",
                    help="the target (its input embedding feeds token-conditioned heads during calibration)")
     p.add_argument("--out", required=True)

@@ -35,6 +35,8 @@ from torch import nn
 
 from vllm_mtpspec.config import BlockConfig, HeadsConfig
 from vllm_mtpspec.heads import DraftModule
+from vllm_mtpspec.quant import Int2Linear, dequantize_int2
+from vllm_mtpspec.quant.int2 import stack_rows
 
 
 def _at_least_fp32(dtype: torch.dtype) -> torch.dtype:
@@ -147,31 +149,34 @@ class DraftBlock(DraftModule):
         self.block_config = block
         self.feature_norm = RMSNorm(d, eps)
         self.token_norm = RMSNorm(d, eps)
-        self.fuse = nn.Linear(2 * d, d, bias=False)
+        linear = lambda n_in, n_out: self._new_linear(n_in, n_out, bias=False)  # noqa: E731
+        self.fuse = linear(2 * d, d)
         if block.feature_layers:
             self.layer_norms = nn.ModuleList(RMSNorm(d, eps) for _ in block.feature_layers)
-            self.layer_fuse = nn.Linear(len(block.feature_layers) * d, d, bias=False)
+            self.layer_fuse = linear(len(block.feature_layers) * d, d)
         self.attention_norm = RMSNorm(d, eps)
-        self.q_proj = nn.Linear(d, block.attention_heads * block.head_dim, bias=False)
-        self.k_proj = nn.Linear(d, block.kv_heads * block.head_dim, bias=False)
-        self.v_proj = nn.Linear(d, block.kv_heads * block.head_dim, bias=False)
-        self.o_proj = nn.Linear(block.attention_heads * block.head_dim, d, bias=False)
+        self.q_proj = linear(d, block.attention_heads * block.head_dim)
+        self.k_proj = linear(d, block.kv_heads * block.head_dim)
+        self.v_proj = linear(d, block.kv_heads * block.head_dim)
+        self.o_proj = linear(block.attention_heads * block.head_dim, d)
         self.mlp_norm = RMSNorm(d, eps)
-        self.gate_proj = nn.Linear(d, block.mlp_size, bias=False)
-        self.up_proj = nn.Linear(d, block.mlp_size, bias=False)
-        self.down_proj = nn.Linear(block.mlp_size, d, bias=False)
+        self.gate_proj = linear(d, block.mlp_size)
+        self.up_proj = linear(d, block.mlp_size)
+        self.down_proj = linear(block.mlp_size, d)
         self.output_norm = RMSNorm(d, eps)
-        for linear in (self.fuse, self.q_proj, self.k_proj, self.v_proj, self.o_proj, self.gate_proj,
+        if self.is_quantized:  # INT2 codes come from `quantized` or a heads directory
+            return
+        for matrix in (self.fuse, self.q_proj, self.k_proj, self.v_proj, self.o_proj, self.gate_proj,
                        self.up_proj, self.down_proj):
-            nn.init.normal_(linear.weight, std=0.02)
+            nn.init.normal_(matrix.weight, std=0.02)
         if block.feature_layers:
             nn.init.zeros_(self.layer_fuse.weight)
 
-    is_quantized = False
-
-    def quantized(self, **_) -> "DraftBlock":
-        raise ValueError("head_kind='attention': INT2 quantization of an attention draft block is not built yet; "
-                         "ship it in fp16 (`mtpspec heads cast`)")
+    @property
+    def dtype(self) -> torch.dtype:
+        """What the block computes in: its norms' dtype (its matrices' too, unless they are
+        INT2 codes or INT8 copies, which take and give this dtype)."""
+        return self.feature_norm.weight.dtype
 
     # ------------------------------------------------------------------ pieces
     def fused_inputs(self, features: torch.Tensor, token_embeds: torch.Tensor,
@@ -179,7 +184,7 @@ class DraftBlock(DraftModule):
         """[..., d] features and [..., d] embeddings of the tokens they produced -> [..., d].
         layer_features [..., n, d]: the states entering the block's feature_layers, for
         entries of the target's own positions (None for a chain's drafted ones)."""
-        dtype = self.fuse.weight.dtype
+        dtype = self.dtype
         reads_layers = layer_features is not None and bool(self.feature_layers)
         inputs = torch.stack([_in_dtype(features, dtype), _in_dtype(token_embeds, dtype)], -2)    # [..., 2, d]
         norms = [self.feature_norm, self.token_norm]
@@ -279,8 +284,9 @@ class DraftBlock(DraftModule):
 
     # ------------------------------------------------------------------ drafting
     def empty_cache(self, device=None, dtype=None) -> BlockCache:
+        """A cache with no entries, on the block's device and in its dtype unless told."""
         cfg = self.block_config
-        dtype = dtype or self.fuse.weight.dtype
+        device, dtype = device or self.feature_norm.weight.device, dtype or self.dtype
         empty = torch.zeros(cfg.kv_heads, 0, cfg.head_dim, device=device, dtype=dtype)
         return BlockCache(keys=empty, values=empty.clone())
 
@@ -304,21 +310,21 @@ class DraftBlock(DraftModule):
           (fuse's token columns applied to each normalized embedding, once, here), looked
           up by the token's draft-vocabulary index: no embedding, norm or product for it
           at each depth. draft_chains must then be given that vocabulary's draft_ids.
-        Built from the weights as they are now (INT8 where int8_linears made them so), on
-        their device: call it after moving the block and before drafting, never before
-        training it further. Held outside the registered children, so the block saves and
-        trains as before; `unrolled` and the context's entries read the separate weights."""
+        Built from the weights as they are now (INT8 where int8_linears made them so, INT2
+        codes where the block is quantized), on their device: call it after moving the
+        block and before drafting, never before training it further. Held outside the
+        registered children, so the block saves and trains as before; `unrolled` and the
+        context's entries read the separate weights."""
         d = self.config.hidden_size
         token_inputs = feature_fuse = None
         if drafted_token_embeds is not None:
-            dtype = self.fuse.weight.dtype
             with torch.no_grad():
-                token_inputs = F.linear(self.token_norm(_in_dtype(drafted_token_embeds, dtype)),
-                                        self.fuse.weight[:, d:].detach())
-            feature_fuse = _side_by_side([self.fuse], columns=slice(0, d))
+                token_inputs = F.linear(self.token_norm(_in_dtype(drafted_token_embeds, self.dtype)),
+                                        _dense_weight(self.fuse, self.dtype)[:, d:])
+            feature_fuse = _side_by_side([self.fuse], self.dtype, columns=slice(0, d))
         self._drafting = _DraftingForm(
-            qkv=_side_by_side([self.q_proj, self.k_proj, self.v_proj]),
-            gate_up=_side_by_side([self.gate_proj, self.up_proj]),
+            qkv=_side_by_side([self.q_proj, self.k_proj, self.v_proj], self.dtype),
+            gate_up=_side_by_side([self.gate_proj, self.up_proj], self.dtype),
             feature_fuse=feature_fuse, token_inputs=token_inputs)
 
     _drafting: "_DraftingForm | None" = None
@@ -432,15 +438,25 @@ class _DraftingForm:
     token_inputs: torch.Tensor | None    # [N, d]: each draft token's half of the input
 
 
-def _side_by_side(linears: list[nn.Module], columns: slice = slice(None)):
+def _side_by_side(linears: list[nn.Module], dtype: torch.dtype, columns: slice = slice(None)):
     """One product whose output is the linears' outputs side by side (over the given input
-    columns of their weights): INT8 where they are."""
+    columns of their weights): INT8 where they are; INT2 where they are and every column
+    is read (a column slice of INT2 weights is held as the values its codes stand for)."""
     from vllm_mtpspec.quant.int8_dynamic import Int8Linear
 
-    weight = torch.cat([linear.weight.detach()[:, columns] for linear in linears]).contiguous()
+    if columns == slice(None) and all(isinstance(linear, Int2Linear) for linear in linears):
+        return Int2Linear(stack_rows([linear.qweight for linear in linears]))
+    weight = torch.cat([_dense_weight(linear, dtype)[:, columns] for linear in linears]).contiguous()
     if all(isinstance(linear, Int8Linear) for linear in linears):
         return Int8Linear.from_weight(weight)
     return lambda h: F.linear(h, _in_dtype(weight, h.dtype))
+
+
+def _dense_weight(linear: nn.Module, dtype: torch.dtype) -> torch.Tensor:
+    """A matrix's weight [out, in] as values (an INT2 matrix's dequantized codes)."""
+    if isinstance(linear, Int2Linear):
+        return dequantize_int2(linear.qweight, dtype=dtype)
+    return _in_dtype(linear.weight.detach(), dtype)
 
 
 def _rope_theta(model_config) -> float:

@@ -74,8 +74,7 @@ class BlockDrafter:
         self.cache = None
 
     def start(self) -> None:
-        weight = self.block.fuse.weight
-        self.cache = self.block.empty_cache(device=weight.device, dtype=weight.dtype)
+        self.cache = self.block.empty_cache()
 
     def _extend(self, rows: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
         states, layers = split_layer_states(rows, self.block.config.hidden_size)

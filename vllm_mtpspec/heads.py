@@ -83,6 +83,51 @@ class DraftModule(nn.Module):
         out.load_state_dict({**state, "draft_token_ids": draft_token_ids.to(torch.int64)}, assign=True)
         return out.train(self.training)
 
+    def _new_linear(self, n_in: int, n_out: int, *, bias: bool) -> nn.Module:
+        """A matrix of these heads: full precision, or (config.quantization) an empty
+        Int2Linear of the right shapes for load_state_dict or `quantized` to fill."""
+        quant = self.config.quantization
+        if quant is None:
+            return nn.Linear(n_in, n_out, bias=bias)
+        return empty_int2_linear(n_in, n_out, group_size=quant.group_size, bias=bias)
+
+    @property
+    def is_quantized(self) -> bool:
+        return self.config.quantization is not None
+
+    def quantized(self, *, group_size: int = 64, int2=None, method: str = "rtn",
+                  calibration: str | None = None) -> "DraftModule":
+        """A 2-bit copy of these heads: every matrix (biases, norms and the draft
+        vocabulary stay as they are). int2: how each nn.Linear becomes an Int2Weight
+        (default round-to-nearest; heads_quant.py has the calibrated methods), recorded in
+        the config as `method` and `calibration`."""
+        if self.is_quantized:
+            raise ValueError("these heads are already quantized")
+        from vllm_mtpspec.config import QuantConfig
+
+        config = HeadsConfig.from_dict({**self.config.to_dict(), "quantization": None})
+        config.quantization = QuantConfig(bits=2, group_size=group_size, method=method, calibration=calibration)
+        out = type(self)(config)  # every matrix an empty Int2Linear, filled below
+
+        def quantize(linear: nn.Linear) -> Int2Linear:
+            if int2 is None:
+                return Int2Linear.from_linear(linear.float(), group_size=group_size)
+            bias = None if linear.bias is None else linear.bias.detach().float().clone()
+            return Int2Linear(int2(linear), bias)
+
+        linears = {name: m for name, m in self.named_modules() if isinstance(m, nn.Linear)}
+        for name, linear in linears.items():
+            parent, _, attribute = name.rpartition(".")
+            setattr(out.get_submodule(parent), attribute, quantize(linear))
+        # Everything else (a draft block's norms, the draft vocabulary) is copied as it is;
+        # a matrix's own tensors (a parametrized one's too) went into its Int2Linear.
+        rest = {key: t for key, t in self.state_dict().items()
+                if not any(key.startswith(f"{name}.") for name in linears)}
+        unexpected = out.load_state_dict(rest, strict=False).unexpected_keys
+        assert not unexpected, unexpected
+        out.temperatures = self.temperatures.clone()
+        return out.train(self.training)
+
     def num_parameters(self) -> int:
         return sum(t.numel() for t in self.state_dict().values())
 
@@ -96,20 +141,14 @@ class MTPHeads(DraftModule):
         k, d, vocab = config.num_heads, config.hidden_size, config.vocab_size
         in_dim = 2 * d if config.token_conditioned else d
         width = config.mlp_size or d
-        quant = config.quantization
-
-        def linear(n_in: int, n_out: int, *, bias: bool) -> nn.Module:
-            if quant is None:
-                return nn.Linear(n_in, n_out, bias=bias)
-            return empty_int2_linear(n_in, n_out, group_size=quant.group_size, bias=bias)
-
+        linear = self._new_linear
         self._build_input_layers(linear, in_dim, width)
         # With a hidden layer the down-projections start at zero (W keeps its random init,
         # or nothing would reach D's gradient); without one, W itself does.
         self.down: nn.ModuleList | None = None
         if config.mlp_size:
             self.down = nn.ModuleList(linear(width, d, bias=False) for _ in range(k))
-        if quant is None:
+        if not self.is_quantized:
             for last in self.last_layers():
                 nn.init.zeros_(last.weight)
                 if last.bias is not None:
@@ -131,10 +170,6 @@ class MTPHeads(DraftModule):
         the head the LM head (the input layers without a hidden layer, the
         down-projections with one)."""
         return self.input_layers() if self.down is None else list(self.down)
-
-    @property
-    def is_quantized(self) -> bool:
-        return isinstance(self.input_layers()[0], Int2Linear)
 
     def init_projections_from(self, lm_head_weight: torch.Tensor) -> None:
         """Untied heads start as copies of the target's LM head (Medusa's initialisation)."""
@@ -199,34 +234,6 @@ class MTPHeads(DraftModule):
     def _param_dtype(self) -> torch.dtype:
         first = self.input_layers()[0]
         return first.bias.dtype if self.is_quantized else first.weight.dtype
-
-    def quantized(self, *, group_size: int = 64, int2=None, method: str = "rtn",
-                  calibration: str | None = None) -> "MTPHeads":
-        """A 2-bit copy of these heads (every matrix; biases stay in fp32). int2: how each
-        nn.Linear becomes an Int2Weight (default round-to-nearest; heads_quant.py has the
-        calibrated methods), recorded in the config as `method` and `calibration`."""
-        if self.is_quantized:
-            raise ValueError("these heads are already quantized")
-        from vllm_mtpspec.config import QuantConfig
-
-        config = HeadsConfig.from_dict({**self.config.to_dict(), "quantization": None})
-        config.quantization = QuantConfig(bits=2, group_size=group_size, method=method, calibration=calibration)
-        out = type(self)(config)  # every matrix an empty Int2Linear, filled below
-
-        def quantize(linear: nn.Linear) -> Int2Linear:
-            if int2 is None:
-                return Int2Linear.from_linear(linear.float(), group_size=group_size)
-            bias = None if linear.bias is None else linear.bias.detach().float().clone()
-            return Int2Linear(int2(linear), bias)
-
-        for name, linear in self.named_modules():
-            if isinstance(linear, nn.Linear):
-                parent, _, attribute = name.rpartition(".")
-                setattr(out.get_submodule(parent), attribute, quantize(linear))
-        out.temperatures = self.temperatures.clone()
-        if self.draft_vocab is not None:
-            out.draft_token_ids = self.draft_vocab.clone()
-        return out
 
 
 def _per_head_linear(x: torch.Tensor, linears: nn.ModuleList) -> torch.Tensor:

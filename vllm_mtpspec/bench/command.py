@@ -120,7 +120,6 @@ def run(args) -> int:
 
     model = str(resolve_model(args.model, dtype=args.dtype))
     heads_dirs = [h for h in (args.heads or str(shipped_heads_dir())).split(",") if h]
-    heads = heads_dirs[0]  # whose memory is reported
     work_dir = Path(args.work_dir) if args.work_dir else cache_root() / "bench"
     prompts = load_bench_prompts(args.prompts, args.num_prompts)
     prompts = _cut_prompts(prompts, model, args.max_prompt_tokens)
@@ -145,8 +144,11 @@ def run(args) -> int:
     rows = summarize(methods, tallies)
     from vllm_mtpspec.cli import shipped_int2_heads_dir
 
-    int2 = shipped_int2_heads_dir(heads) or int2_copy_path(heads, work_dir)
-    memory = heads_memory(heads, model, str(int2) if (int2 / "heads.safetensors").is_file() else None)
+    memory = []
+    for heads in heads_dirs:
+        int2 = shipped_int2_heads_dir(heads) or int2_copy_path(heads, work_dir)
+        memory += heads_memory(heads, model, str(int2) if (int2 / "heads.safetensors").is_file() else None,
+                               name=Path(heads).name if len(heads_dirs) > 1 else "")
     machine = f"{_cpu_name()}, {_cpu_count()} CPUs, vLLM {_vllm_version()}"
     header = (f"## mtpspec bench: {Path(model).name}, {len(prompts)} prompts ({args.prompts}), "
               f"{args.max_new_tokens} new tokens each\n\nmachine: {machine}; run took {time.time() - started:.0f} s")
@@ -157,7 +159,7 @@ def run(args) -> int:
     if args.plot:
         plot(rows, Path(args.plot), f"{Path(model).name}, {machine}")
     if args.json:
-        save_json(Path(args.json), {"model": model, "heads": heads, "prompts": args.prompts, "machine": machine,
+        save_json(Path(args.json), {"model": model, "heads": heads_dirs, "prompts": args.prompts, "machine": machine,
                                     "max_new_tokens": args.max_new_tokens, "rows": rows, "memory": memory,
                                     "methods": [vars(m) for m in methods]})
     greedy_differs = [r for r in rows if r["identical_greedy_output"] is False

@@ -75,14 +75,18 @@ def build_methods(names: list[str], *, model_dir: str, heads_dirs: list[str], nu
             method_tree = "chain" if name == "mtpspec-chain" else tree
             for heads_dir, quant in itertools.product(heads_dirs, quants):
                 heads, unavailable = heads_dir, None
+                heads_config = _heads_config(heads_dir)
+                already_int2 = heads_config is not None and heads_config.quantization is not None
+                if quant != "fp" and already_int2:
+                    continue  # the same engine as its "fp" row, which serves (and is labelled) INT2 already
                 if quant != "fp":
                     from vllm_mtpspec.checkpoint import HeadsError
 
                     try:
                         heads = str(_int2_heads(heads_dir, work_dir))
-                    except HeadsError as err:  # these heads have no INT2 form: that row alone is not run
+                    except HeadsError as err:  # heads that cannot be read: that row alone is not run
                         unavailable = str(err)
-                heads_config = _heads_config(heads_dir)
+                int2 = quant != "fp" or already_int2
                 heads_tag = _heads_tag(heads_dir, heads_config, several=len(heads_dirs) > 1)
                 # A tree these heads cannot draft: reported with the reason, as vLLM would refuse it.
                 refusal = heads_config.tree_refusal(method_tree) if heads_config is not None else None
@@ -113,7 +117,7 @@ def build_methods(names: list[str], *, model_dir: str, heads_dirs: list[str], nu
                         if start is not None:
                             config["batch_backoff_start"] = start
                             label += f" from-batch-{start}"
-                        methods.append(Method(label + heads_tag + ("" if quant == "fp" else " int2"), name, config,
+                        methods.append(Method(label + heads_tag + (" int2" if int2 else ""), name, config,
                                               unavailable=unavailable))
     return methods
 
@@ -147,7 +151,7 @@ def _heads_tag(heads_dir: str, config, *, several: bool) -> str:
 def _int2_heads(heads_dir: str, work_dir: Path) -> Path:
     """The shipped INT2 form of shipped heads (GPTQ); for other heads, round-to-nearest
     (the calibrated methods need training shards: `mtpspec heads quantize --method gptq`)."""
-    from vllm_mtpspec.checkpoint import load_heads, require_mlp_heads, save_heads
+    from vllm_mtpspec.checkpoint import load_heads, save_heads
     from vllm_mtpspec.cli import shipped_int2_heads_dir
 
     shipped = shipped_int2_heads_dir(heads_dir)
@@ -155,9 +159,7 @@ def _int2_heads(heads_dir: str, work_dir: Path) -> Path:
         return shipped
     out = int2_copy_path(heads_dir, work_dir)
     if not (out / "config.json").is_file():
-        heads = load_heads(heads_dir)
-        require_mlp_heads(heads, heads_dir, where="the bench's INT2 rows")
-        save_heads(heads.quantized(group_size=64), out)
+        save_heads(load_heads(heads_dir).quantized(group_size=64), out)
     return out
 
 

@@ -61,25 +61,29 @@ def summarize(methods: list[Method], tallies: dict[tuple[str, int, float], Tally
     return rows
 
 
-def heads_memory(heads_dir: str, model_dir: str, int2_dir: str | None) -> list[dict]:
-    """Bytes of the heads against the model's weights. For parallel heads, untied figures
-    add one vocab projection per head (2 bytes per weight in FP, 2.5 bits in INT2 with
-    group size 64), what Medusa-style heads would weigh; sequential heads and a draft
-    block are tied only, so their own bytes are all there is."""
+def heads_memory(heads_dir: str, model_dir: str, int2_dir: str | None, *, name: str = "") -> list[dict]:
+    """Bytes of the heads (and of their INT2 copy, int2_dir, where there is one) against
+    the model's weights; `name` tells several heads directories apart. For parallel
+    heads, untied figures add one vocab projection per head (2 bytes per weight in FP,
+    2.5 bits in INT2 with group size 64), what Medusa-style heads would weigh; sequential
+    heads and a draft block are tied only, so their own bytes are all there is."""
     from vllm_mtpspec.checkpoint import read_heads_config
 
     config = read_heads_config(heads_dir)
     model_bytes = sum(f.stat().st_size for f in Path(model_dir).glob("*.safetensors"))
-    tied_fp = (Path(heads_dir) / "heads.safetensors").stat().st_size
-    tied_int2 = (Path(int2_dir) / "heads.safetensors").stat().st_size if int2_dir else None
+    own = "int2" if config.quantization is not None else "fp"
+    sizes = [(own, (Path(heads_dir) / "heads.safetensors").stat().st_size)]
+    if int2_dir and own == "fp":
+        sizes.append(("int2", (Path(int2_dir) / "heads.safetensors").stat().st_size))
     projection = config.num_heads * config.hidden_size * config.vocab_size
+    tag = f" [{name}]" if name else ""
     if config.head_kind != "parallel":
         kind = {"attention": "draft block"}.get(config.head_kind, config.head_kind)
-        rows = [(kind, "fp", tied_fp)] + ([(kind, "int2", tied_int2)] if tied_int2 is not None else [])
+        rows = [(kind + tag, quant, size) for quant, size in sizes]
     else:
-        rows = [("tied", "fp", tied_fp), ("untied", "fp", tied_fp + projection * 2)]
-        if tied_int2 is not None:
-            rows += [("tied", "int2", tied_int2), ("untied", "int2", tied_int2 + int(projection * 2.5 / 8))]
+        bytes_per_weight = {"fp": 2, "int2": 2.5 / 8}
+        rows = [row for quant, size in sizes for row in (
+            ("tied" + tag, quant, size), ("untied" + tag, quant, size + int(projection * bytes_per_weight[quant])))]
     return [{"heads": kind, "quant": quant, "num_heads": config.num_heads, "bytes": size,
              "share_of_model": round(size / model_bytes, 4), "model_bytes": model_bytes}
             for kind, quant, size in rows]

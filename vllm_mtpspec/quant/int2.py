@@ -91,6 +91,17 @@ def quantize_int2(weight: torch.Tensor, *, group_size: int = 64) -> Int2Weight:
     return Int2Weight(pack_codes(codes), scales, mins, in_features, group_size)
 
 
+def stack_rows(weights: list[Int2Weight]) -> Int2Weight:
+    """Matrices that read the same input, as one whose output rows are theirs in order
+    (each row keeps its own codes, scales and minimums: the same values exactly)."""
+    first = weights[0]
+    if any((w.in_features, w.group_size) != (first.in_features, first.group_size) for w in weights):
+        raise QuantError("only matrices with the same in_features and group_size stack: "
+                         f"{[(w.in_features, w.group_size) for w in weights]}")
+    return Int2Weight(torch.cat([w.packed for w in weights]), torch.cat([w.scales for w in weights]),
+                      torch.cat([w.mins for w in weights]), first.in_features, first.group_size)
+
+
 def pack_codes(codes: torch.Tensor) -> torch.Tensor:
     """[out, n] codes in 0..3 -> [out, n // 4] bytes, code j of a byte in bits 2j..2j+1."""
     c = codes.view(codes.shape[0], -1, 4).to(torch.uint8)

@@ -81,8 +81,7 @@ class BlockContexts:
     def _cache_ending_at(self, req_id: str, position: int) -> BlockCache:
         cache = self.caches.get(req_id)
         if cache is None or cache.length < position or position < cache.start:
-            weight = self.block.fuse.weight
-            cache = self.block.empty_cache(device=weight.device, dtype=weight.dtype)
+            cache = self.block.empty_cache()
             cache.start = position
             self.caches[req_id] = cache
         elif cache.length > position:
