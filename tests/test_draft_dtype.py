@@ -29,10 +29,14 @@ def test_auto_drafts_an_fp32_models_heads_in_bf16_only_where_the_cpu_has_it(monk
     assert draft_dtype("float16", torch.float32, quantized=False) == torch.float16  # asked: taken as it is
     # Without native bf16, an fp32 model's full-precision heads draft their matrices in INT8.
     cpu = torch.device("cpu")
-    assert int8_drafting("auto", cpu, torch.float32, heads_dir="h", quantized=False) is not native_bf16
-    assert int8_drafting("auto", cpu, torch.float32, heads_dir="h", quantized=True) is False
-    assert int8_drafting("auto", cpu, torch.bfloat16, heads_dir="h", quantized=False) is False
-    assert int8_drafting("auto", torch.device("cuda"), torch.float32, heads_dir="h", quantized=False) is False
+    assert int8_drafting("auto", cpu, torch.float32, quantized=False) is not native_bf16
+    assert int8_drafting("auto", cpu, torch.bfloat16, quantized=False) is False
+    # INT2 heads draft from the values of their codes in INT8 on any CPU (their PyTorch
+    # path dequantizes every matrix at every call), never off the CPU.
+    assert int8_drafting("auto", cpu, torch.float32, quantized=True) is True
+    assert int8_drafting("auto", cpu, torch.bfloat16, quantized=True) is True
+    assert int8_drafting("auto", torch.device("cuda"), torch.float32, quantized=True) is False
+    assert int8_drafting("auto", torch.device("cuda"), torch.float32, quantized=False) is False
 
 
 def _loaded_proposer(tiny_model, tiny_model_dir, heads_dir, draft_dtype: str):
@@ -131,13 +135,13 @@ def test_int8_heads_draft_what_their_fp32_form_drafts_where_the_choice_is_clear(
     assert torch.equal(approximate.argmax(-1)[clear], exact.argmax(-1)[clear])
 
 
-def test_int8_drafting_is_refused_off_the_cpu_and_for_int2_heads_naming_the_field():
+def test_int8_drafting_is_refused_off_the_cpu_naming_the_field():
     fp32 = torch.float32
-    assert int8_drafting("int8", torch.device("cpu"), fp32, heads_dir="h", quantized=False) is True
-    with pytest.raises(ConfigError, match="draft_dtype='int8': .*CPU only.*cuda.*use draft_dtype='auto'"):
-        int8_drafting("int8", torch.device("cuda"), fp32, heads_dir="h", quantized=False)
-    with pytest.raises(ConfigError, match="draft_dtype='int8'.*h/config.json holds INT2 heads"):
-        int8_drafting("int8", torch.device("cpu"), fp32, heads_dir="h", quantized=True)
+    assert int8_drafting("int8", torch.device("cpu"), fp32, quantized=False) is True
+    assert int8_drafting("int8", torch.device("cpu"), fp32, quantized=True) is True
+    for quantized in (False, True):
+        with pytest.raises(ConfigError, match="draft_dtype='int8': .*CPU only.*cuda.*use draft_dtype='auto'"):
+            int8_drafting("int8", torch.device("cuda"), fp32, quantized=quantized)
 
 
 @pytest.mark.parametrize("kind", ["parallel", "attention"])
@@ -150,3 +154,39 @@ def test_the_proposer_drafts_with_int8_matrices_when_asked(tiny_model, tiny_mode
     assert p.int8_drafts and p.draft_dtype == torch.float32
     assert isinstance(p._lm_head, Int8Linear)
     assert not any(type(m) is torch.nn.Linear for m in p.heads.modules())
+
+
+def test_an_int8_copy_of_an_int2_matrix_multiplies_as_its_codes_do():
+    from vllm_mtpspec.quant import Int2Linear
+    from vllm_mtpspec.quant.int8_dynamic import Int8Linear
+
+    gen = torch.Generator().manual_seed(0)
+    linear = torch.nn.Linear(576, 300, bias=True)
+    with torch.no_grad():
+        linear.weight.copy_(torch.randn(300, 576, generator=gen) * 0.05)
+        linear.bias.copy_(torch.randn(300, generator=gen))
+    int2 = Int2Linear.from_linear(linear, group_size=64)
+    int8 = Int8Linear.from_int2(int2)
+    x = torch.randn(4, 576, generator=gen)
+    y, exact = int8(x), int2(x)
+    assert _close(y - int2.bias, exact - int2.bias, 0.03)
+    assert not torch.equal(y, exact)  # the INT8 product of the codes' values
+    assert torch.equal(int8.bias, int2.bias)
+
+
+@pytest.mark.parametrize("kind", ["parallel", "attention"])
+def test_int2_heads_draft_through_int8_matrices_on_the_cpu(tiny_model, tiny_model_dir, tmp_path, kind):
+    from vllm_mtpspec.quant import Int2Linear
+    from vllm_mtpspec.quant.int8_dynamic import Int8Linear
+
+    int2 = _heads(tiny_model, tiny_model_dir, kind).quantized(group_size=32)
+    matrices = sum(isinstance(m, Int2Linear) for m in int2.modules())
+    heads_dir = save_heads(int2.with_draft_vocab(torch.arange(0, 256, 2)), tmp_path / kind)
+    p = _loaded_proposer(tiny_model, tiny_model_dir, heads_dir, "auto")
+    assert p.int8_drafts and p.heads.is_quantized
+    assert sum(isinstance(m, Int8Linear) for m in p.heads.modules()) == matrices > 0
+    assert not any(isinstance(m, Int2Linear) or type(m) is torch.nn.Linear for m in p.heads.modules())
+    if kind == "parallel":  # (a block drafts inside vLLM only: tests/test_vllm_integration.py)
+        p.capture_step(torch.randn(2, 64), None, ["a", "b"])
+        drafts = p.propose([[1], [2]])
+        assert len(drafts) == 2 and all(len(d) == 3 for d in drafts)

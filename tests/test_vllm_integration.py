@@ -3,6 +3,7 @@ import gc
 import json
 import os
 import shutil
+from pathlib import Path
 
 import pytest
 
@@ -444,6 +445,43 @@ def random_layer_block_dir(model_dir, tmp_path_factory):
         block.layer_fuse.weight.normal_(0.0, 0.02, generator=torch.Generator().manual_seed(0))
     draft_ids = torch.randperm(block.config.vocab_size, generator=torch.Generator().manual_seed(1))[:8192]
     return save_heads(block.with_draft_vocab(draft_ids), tmp_path_factory.mktemp("layer-block"))
+
+
+TRAINED_BLOCK = Path(__file__).parent.parent / "data" / "heads" / "smollm2-135m-instruct-block-v2-layers"
+
+
+@pytest.fixture(scope="module")
+def int2_block_dir(tmp_path_factory):
+    """The trained draft block (reading layers 2, 15 and 27) in INT2, drafting among the
+    16,384 lowest token ids: its q/k/v and gate/up codes stacked and its token table made
+    from its codes (DraftBlock.prepare_drafting) on every draft."""
+    import torch
+
+    from vllm_mtpspec.checkpoint import load_heads, save_heads
+
+    int2 = load_heads(TRAINED_BLOCK).quantized(group_size=64)
+    return save_heads(int2.with_draft_vocab(torch.arange(16384)), tmp_path_factory.mktemp("int2-block"))
+
+
+@pytest.mark.parametrize("draft_dtype", ["auto", "model"])
+def test_an_int2_draft_block_drafts_and_keeps_greedy_output_unchanged(model_dir, int2_block_dir, baseline,
+                                                                      draft_dtype):
+    """auto: from the values of its codes in INT8 (the CPU's choice); model: through INT2's
+    own path, codes stacked."""
+    llm = build(model_dir, speculative_config={"method": "mtpspec", "model": str(int2_block_dir),
+                                               "num_speculative_tokens": 3, "prompt_lookup_max": 0,
+                                               "draft_dtype": draft_dtype})
+    outputs = greedy(llm)
+    metrics = spec_metrics(llm)
+    drafting = llm.collective_rpc(lambda worker: (worker.model_runner.drafter.heads.is_quantized,
+                                                  worker.model_runner.drafter.int8_drafts))
+    close(llm)
+    assert drafting == [(True, draft_dtype == "auto")]
+    assert outputs == baseline
+    # Its own drafts, not lookup's (off): INT2 codes that drafted noise would keep ~none of
+    # the first drafts (the block's rounded codes kept .43 here, its held-out depth 1 .63).
+    first_kept = metrics["vllm:spec_decode_num_accepted_tokens_per_pos"][0] / metrics["vllm:spec_decode_num_drafts"]
+    assert first_kept > 0.25, metrics
 
 
 @pytest.mark.parametrize("engine", ["chunked+prefix-cache, block reading layers", "preempting",

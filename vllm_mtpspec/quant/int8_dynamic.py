@@ -17,9 +17,13 @@ torch the CPU build pins still has; `int8_blocker()` says whether this one does.
 from __future__ import annotations
 
 import warnings
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
+
+if TYPE_CHECKING:
+    from vllm_mtpspec.quant.linear import Int2Linear
 
 _REDUCE_RANGE = True
 
@@ -52,6 +56,19 @@ class Int8Linear(nn.Linear):
         return out
 
     @classmethod
+    def from_int2(cls, int2: "Int2Linear") -> "Int8Linear":
+        """The values an INT2 matrix's codes stand for, in INT8: INT2's PyTorch path
+        dequantizes the whole matrix at every call, a CPU's INT8 product reads a byte per
+        weight instead."""
+        from vllm_mtpspec.quant.int2 import dequantize_int2
+
+        linear = nn.Linear(int2.in_features, int2.out_features, bias=int2.bias is not None, device="meta")
+        linear.weight = nn.Parameter(dequantize_int2(int2.qweight), requires_grad=False)
+        if int2.bias is not None:
+            linear.bias = nn.Parameter(int2.bias.detach().float(), requires_grad=False)
+        return cls.from_linear(linear)
+
+    @classmethod
     def from_weight(cls, weight: torch.Tensor) -> "Int8Linear":
         """x -> x @ weight.T (no bias): an LM head's rows."""
         linear = nn.Linear(weight.shape[1], weight.shape[0], bias=False, device="meta")
@@ -67,12 +84,16 @@ class Int8Linear(nn.Linear):
 
 
 def int8_linears(module: nn.Module) -> int:
-    """Replaces every nn.Linear inside module (in place) by its Int8Linear; returns how many."""
+    """Replaces every nn.Linear and Int2Linear inside module (in place) by its Int8Linear;
+    returns how many."""
+    from vllm_mtpspec.quant.linear import Int2Linear
+
     replaced = 0
     for name, child in list(module.named_modules()):
-        if type(child) is nn.Linear:
+        if type(child) is nn.Linear or isinstance(child, Int2Linear):
             parent, _, attribute = name.rpartition(".")
-            setattr(module.get_submodule(parent), attribute, Int8Linear.from_linear(child))
+            int8 = Int8Linear.from_int2(child) if isinstance(child, Int2Linear) else Int8Linear.from_linear(child)
+            setattr(module.get_submodule(parent), attribute, int8)
             replaced += 1
     return replaced
 

@@ -75,24 +75,24 @@ def draft_dtype(asked: str, model_dtype: torch.dtype, *, quantized: bool) -> tor
     return model_dtype
 
 
-def int8_drafting(asked: str, device: torch.device, model_dtype: torch.dtype, *, heads_dir: str,
-                  quantized: bool) -> bool:
+def int8_drafting(asked: str, device: torch.device, model_dtype: torch.dtype, *, quantized: bool) -> bool:
     """Whether the heads' matrices draft in INT8 (SpecOptions.draft_dtype "int8"); refuses,
-    at start-up, where they cannot. "auto": an fp32 model's full-precision heads on a CPU
-    without native bf16, where fp32 drafting took 10-13% of a step at batches 1 and 2
-    and INT8 reads a quarter of its bytes (benchmarks/RESULTS.md)."""
+    at start-up, where they cannot. "auto", on a CPU where fbgemm's INT8 product runs:
+    - an fp32 model's full-precision heads on a CPU without native bf16, where fp32
+      drafting took 10-13% of a step at batches 1 and 2 and INT8 reads a quarter of its
+      bytes;
+    - INT2 heads (the values their codes stand for), whose PyTorch path dequantizes every
+      matrix at every call: an INT2 draft block took 42% of the time drafting, at 0.90x
+      of vLLM alone (benchmarks/RESULTS.md)."""
     from vllm_mtpspec.config import ConfigError
     from vllm_mtpspec.quant.int8_dynamic import int8_blocker
 
     if asked == "auto":
-        return (device.type == "cpu" and model_dtype == torch.float32 and not quantized
-                and not cpu_has_native_bf16() and int8_blocker(device) is None)
+        if device.type != "cpu" or int8_blocker(device) is not None:
+            return False
+        return quantized or (model_dtype == torch.float32 and not cpu_has_native_bf16())
     if asked != "int8":
         return False
-    if quantized:
-        raise ConfigError(f"draft_dtype='int8' was asked, and {heads_dir}/config.json holds INT2 heads "
-                          "(`quantization`), which draft through their own kernel: leave draft_dtype at 'auto', "
-                          "or serve the heads' full-precision copy")
     if (reason := int8_blocker(device)) is not None:
         raise ConfigError(f"draft_dtype='int8': {reason}; use draft_dtype='auto'")
     return True

@@ -87,7 +87,6 @@ class MTPSpecProposer:
         self.dtype = model_config.dtype
         self.device = torch.device(vllm_config.device_config.device)
         self.int8_drafts = int8_drafting(self.options.draft_dtype, self.device, self.dtype,
-                                         heads_dir=self.options.heads,
                                          quantized=self.heads_config.quantization is not None)
         self.heads = None  # loaded with the target, in load_model
         self._chain_builder: DraftTreeBuilder | None = None  # built in load_model
@@ -211,8 +210,8 @@ class MTPSpecProposer:
                                                   max_nodes=self.max_tree_budget, **builder)
         logger.info("mtpspec: loaded %s heads (%s, %s, drafting among %s tokens) from %s; drafting %s of depth %d",
                     self.heads.num_heads, "tied" if self.heads.config.tied else "untied",
-                    "int2" if self.heads.is_quantized else
-                    "drafting in int8" if self.int8_drafts else f"drafting in {self.draft_dtype}",
+                    ("int2, " if self.heads.is_quantized else "")
+                    + ("drafting in int8" if self.int8_drafts else f"drafting in {self.draft_dtype}"),
                     self.heads.config.draft_vocab_size or f"all {self.heads.config.vocab_size}", self.options.heads,
                     self.options.tree if self.uses_trees else "chains", self.depth)
 
