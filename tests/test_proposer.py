@@ -96,6 +96,24 @@ def test_a_tree_requests_next_draft_reads_its_last_accepted_nodes_row(make_propo
     assert drafts == p.propose([[23]])
 
 
+def test_trees_are_cut_to_the_depth_their_request_may_still_keep(make_proposer):
+    p, _, model = make_proposer(max_drafts=8, tree="consensus", max_tree_nodes=8)
+    hidden = torch.randn(3, model.config.hidden_size)
+    p.capture_step(hidden, None, ["a", "b", "c"])
+    whole = p.propose([[1], [2], [3]])
+    p.proposed_trees["b"] = p.proposed_trees["a"]  # a tree left from an earlier step
+    # Made 62, 63 and 10 of 64: the next step emits one token anyway, so trees of depth 1,
+    # none and the whole depth can be kept.
+    p.capture_step(hidden, None, ["a", "b", "c"], budget=[(64, 62), (64, 63), (64, 10)].__getitem__)
+    drafts = p.propose([[1], [2], [3]])
+    depth_of = dict(zip(p.static_shape.paths, (len(path) for path in p.static_shape.paths)))
+    assert max(depth_of.values()) == 3
+    first_level = [t for path, t in zip(p.static_shape.paths, whole[0]) if depth_of[path] == 1]
+    assert drafts == [first_level, [], whole[2]] and len(first_level) < len(whole[0])
+    assert p.proposed_trees["a"].tokens == tuple(first_level) and len(p.proposed_trees["a"].shape) == len(first_level)
+    assert "b" not in p.proposed_trees and p.proposed_trees["c"].tokens == tuple(whole[2])
+
+
 def test_low_confidence_tree_nodes_are_cut_and_what_stays_is_a_tree(make_proposer):
     p, heads, model = make_proposer(max_drafts=16, tree="consensus", min_path_prob=0.05)
     p.capture_step(torch.randn(4, model.config.hidden_size), None, list("abcd"))

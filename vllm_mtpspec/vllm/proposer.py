@@ -374,8 +374,12 @@ class MTPSpecProposer:
                 chains[head_owners[n]] = Candidate("heads", False, len(tokens), tuple(path), tuple(tokens))
             for n, (shape, tokens) in zip(tree_rows, trees):
                 i = owners[head_owners[n]]
+                shape, tokens = self._tree_within_budget(i, shape, list(tokens))
                 drafts[i] = tokens
-                self.proposed_trees[req_ids[i]] = ProposedTree(shape, tuple(tokens))
+                if tokens:
+                    self.proposed_trees[req_ids[i]] = ProposedTree(shape, tuple(tokens))
+                else:
+                    self.proposed_trees.pop(req_ids[i], None)
         chains = self._within_budgets(chains, owners)
         if planner is not None:
             chains = self._planned(chains, owners, sampled, clock() - drafting_started if head_owners else 0.0)
@@ -417,6 +421,17 @@ class MTPSpecProposer:
             room = chain.length if budget is None else max(budget[0] - budget[1] - 1, 0)
             cut[j] = chain if room >= chain.length else dataclasses.replace(chain, length=room)
         return cut
+
+    def _tree_within_budget(self, batch_index: int, shape: TreeShape, tokens: list[int]
+                            ) -> tuple[TreeShape, list[int]]:
+        """A tree cut to what its request may still make, as _within_budgets cuts chains:
+        a node deeper than max_tokens - made - 1 could never be kept. What stays is the
+        tree's upper levels, breadth-first still, each node with its token."""
+        budget = None if self._budget is None else self._budget(batch_index)
+        if budget is None:
+            return shape, tokens
+        room = max(budget[0] - budget[1] - 1, 0)
+        return shape.limit_depth(room), [token for path, token in zip(shape.paths, tokens) if len(path) <= room]
 
     def _planned(self, chains: dict[int, Candidate], owners: list[int], sampled: list[bool],
                  drafting_seconds: float) -> dict[int, Candidate]:
