@@ -208,8 +208,8 @@ def test_an_attention_draft_block_trains_on_answers_read_with_their_prompt_rows(
     # Data folders relative to the working directory, as in the shipped configs: Ray Train's
     # workers run elsewhere and must still find the shards.
     monkeypatch.chdir(tmp_path)
-    config = TrainConfig(**common, train_data="train", held_out_data="held",
-                         train_answers=str(tiny_data / "train" / "answers"),
+    config = TrainConfig(**{**common, "int2_group_size": 32, "int2_method": "gptq"}, train_data="train",
+                         held_out_data="held", train_answers=str(tiny_data / "train" / "answers"),
                          held_out_answers=str(tiny_data / "held" / "answers"), name="block", out=str(tmp_path / "block"))
     summary = run_training(config)  # the shards, with prompt rows, come back from the answers
     rows = [r for r in metrics(tmp_path / "ray" / "block") if "loss" in r]
@@ -218,8 +218,14 @@ def test_an_attention_draft_block_trains_on_answers_read_with_their_prompt_rows(
     assert isinstance(block, DraftBlock) and block.num_heads == 2
     held_out = summary["held_out"]["fp32"]
     assert len(held_out["conditional_top1"]) == 2 and held_out["mean_accepted_len"]["chain"] >= 1.0
-    with pytest.raises(TrainConfigError, match="head_kind='attention' has no INT2 form yet"):
-        TrainConfig(head_kind="attention")
+    # Its INT2 copy, GPTQ calibrated on the training shards' answers with their prompt rows.
+    int2 = load_heads(summary["int2_dir"])
+    assert isinstance(int2, DraftBlock) and int2.is_quantized
+    assert int2.config.quantization.method == "gptq" and "answer rows (with their context)" in \
+        int2.config.quantization.calibration
+    assert len(summary["held_out"]["int2"]["conditional_top1"]) == 2
+    with pytest.raises(TrainConfigError, match="head_kind='attention': quantization-aware steps"):
+        TrainConfig(head_kind="attention", quantize_aware_steps=10)
     # Trained further reading target layers 0 and 1 too: shards without them are refused,
     # shards rebuilt with them train the grown fusion.
     grown = dict(common, epochs=10, init_from=summary["heads_dir"], feature_layers=[0, 1],
@@ -264,8 +270,9 @@ def test_every_shipped_training_config_is_one_the_job_accepts(path):
 
 def test_a_config_files_error_names_the_file_and_the_field(tmp_path):
     path = tmp_path / "block.json"
-    path.write_text(json.dumps({"head_kind": "attention", "int2_group_size": 64}))
-    with pytest.raises(TrainConfigError, match=f"{path}: head_kind='attention' has no INT2 form yet: set int2_group_size"):
+    path.write_text(json.dumps({"head_kind": "attention", "quantize_aware_steps": 10}))
+    with pytest.raises(TrainConfigError, match=f"{path}: head_kind='attention': quantization-aware steps .*"
+                                               "set quantize_aware_steps to 0"):
         TrainConfig.from_file(path)
 
 

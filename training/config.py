@@ -102,8 +102,10 @@ class TrainConfig:
                                        "set mode='posthoc'")
             if not self.tied:
                 raise TrainConfigError("head_kind='attention' projects through the target's LM head: set tied=true")
-            if self.int2_group_size:
-                raise TrainConfigError("head_kind='attention' has no INT2 form yet: set int2_group_size to null")
+            if self.quantize_aware_steps:
+                raise TrainConfigError("head_kind='attention': quantization-aware steps train MLP heads only so far; "
+                                       "set quantize_aware_steps to 0 (int2_method 'gptq-refit' calibrates the "
+                                       "block's INT2 copy on the training shards)")
         elif self.feature_layers:
             raise TrainConfigError(f"feature_layers={self.feature_layers} with head_kind={self.head_kind!r}: only an "
                                    "attention draft block reads other layers' states; set head_kind='attention' or "

@@ -78,12 +78,20 @@ def quantize_aware(heads: MTPHeads, examples: dict, *, lm_head: torch.Tensor, em
 
 def int2_copy(heads: MTPHeads, config, train_shards: list[Path], *, lm_head: torch.Tensor,
               embed: torch.Tensor) -> MTPHeads:
-    """The training config's INT2 copy: int2_method, and quantize_aware_steps on top."""
+    """The training config's INT2 copy: int2_method (an attention draft block's calibrated
+    on whole answers with their prompt rows), and quantize_aware_steps on top (MLP heads)."""
     if not config.quantize_aware_steps and config.int2_method == "rtn":
         return heads.quantized(group_size=config.int2_group_size)
     from training.examples import load_examples
 
     files = train_shards[: config.int2_calibration_shards]
+    if heads.config.head_kind == "attention":  # whole answers with their prompt rows (no QAT: TrainConfig)
+        from vllm_mtpspec.calibration_data import block_statistics_from_shards
+
+        statistics, rows = block_statistics_from_shards(heads.float(), files, 32768, embed=embed, read=[])
+        return quantize_heads(heads.float(), method=config.int2_method, group_size=config.int2_group_size,
+                              statistics=statistics,
+                              calibration=f"{rows} answer rows (with their context) of {len(files)} training shards")
     examples = load_examples(files, heads.num_heads)
     statistics, rows = statistics_from_examples(heads.float(), examples, embed, lm_head)
     described = f"{rows} rows of {len(files)} training shards"
