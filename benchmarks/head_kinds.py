@@ -32,6 +32,7 @@ from timing import median_ms
 from training.data import list_shards
 from training.evaluate import conditional_hits, draft_logits_along, replay_tree
 from vllm_mtpspec.checkpoint import load_heads
+from vllm_mtpspec.cli import heads_summary
 from vllm_mtpspec.config import HeadsConfig
 from vllm_mtpspec.models import resolve_model
 from vllm_mtpspec.tree import chain_tree
@@ -105,7 +106,9 @@ def draft_step_ms(heads, lm_head, embed, repeats: int, context: int = 256) -> fl
 def label(heads, path: str) -> str:
     kind = heads.config.head_kind
     vocab = f", vocab {heads.config.draft_vocab_size}" if heads.config.draft_vocab_size else ""
-    return f"{kind} [{Path(path).name}]{vocab}"
+    quant = heads.config.quantization
+    int2 = f", int2 {quant.method} g{quant.group_size}" if quant else ""
+    return f"{kind} [{Path(path).name}]{vocab}{int2}"
 
 
 def main() -> None:
@@ -126,9 +129,11 @@ def main() -> None:
         heads = load_heads(path).float().eval()
         sized = deeper(heads, MAX_K)
         scores = score(sized, shards, lm_head, embed)
+        summary = heads_summary(path)
         rows.append({
             "heads": path, "label": label(heads, path), "head_kind": heads.config.head_kind,
-            "parameters": heads.num_parameters(), "trained_depths": heads.num_heads,
+            "parameters": summary["parameters"], "bytes_on_disk": summary["bytes_on_disk"],
+            "quantization": summary["quantization"], "trained_depths": heads.num_heads,
             **scores, "draft_step_ms_b1": round(draft_step_ms(heads, lm_head, embed, args.repeats), 2),
             "block": dataclasses.asdict(heads.config.block) if heads.config.block else None,
         })
@@ -138,12 +143,12 @@ def main() -> None:
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
     if args.markdown:
-        lines = ["| heads | parameters | conditional top-1 by depth | chain accepted, k = 2 / 3 / 4 / 5 / 6 | "
-                 "draft step at batch 1 (ms, depth = trained depths) |", "|---|---|---|---|---|"]
+        lines = ["| heads | parameters | on disk | conditional top-1 by depth | chain accepted, k = 2 / 3 / 4 / 5 / 6 | "
+                 "draft step at batch 1 (ms, depth = trained depths) |", "|---|---|---|---|---|---|"]
         for row in rows:
             accepted = " / ".join(f"{row['chain_accepted'].get(k, float('nan')):.3f}" if k in row["chain_accepted"]
                                   else "-" for k in range(2, MAX_K + 1))
-            lines.append(f"| {row['label']} | {row['parameters'] / 1e6:.1f}M | "
+            lines.append(f"| {row['label']} | {row['parameters'] / 1e6:.1f}M | {row['bytes_on_disk'] / 1e6:.1f} MB | "
                          f"{' / '.join(f'{v:.3f}' for v in row['conditional_top1'])} | {accepted} | "
                          f"{row['draft_step_ms_b1']:.2f} |")
         Path(args.markdown).write_text("\n".join(lines) + "\n")
