@@ -143,8 +143,9 @@ def main() -> None:
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
     if args.markdown:
-        lines = ["| heads | parameters | on disk | conditional top-1 by depth | chain accepted, k = 2 / 3 / 4 / 5 / 6 | "
-                 "draft step at batch 1 (ms, depth = trained depths) |", "|---|---|---|---|---|---|"]
+        lines = ["| heads | parameters | on disk | conditional top-1 by depth | "
+                 "chain accepted, k = 2 / 3 / 4 / 5 / 6 | draft step at batch 1 (ms, depth = trained depths) |",
+                 "|---|---|---|---|---|---|"]
         for row in rows:
             accepted = " / ".join(f"{row['chain_accepted'].get(k, float('nan')):.3f}" if k in row["chain_accepted"]
                                   else "-" for k in range(2, MAX_K + 1))

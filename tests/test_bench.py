@@ -314,7 +314,12 @@ def test_a_blocks_int2_row_serves_its_int2_copy_and_int2_heads_get_one_row_label
     int2 = save_heads(block.quantized(group_size=32), tmp_path / "b1-int2")
     methods = build_methods(["mtpspec-chain"], model_dir="m", heads_dirs=[str(int2)], num_heads=[2],
                             quants=["fp", "int2"], tree="consensus", work_dir=tmp_path)
-    assert [(m.name, m.speculative_config["model"]) for m in methods] == [("mtpspec-chain k=2 +lookup block int2", str(int2))]
+    assert [(m.name, m.speculative_config["model"]) for m in methods] == [
+        ("mtpspec-chain k=2 +lookup block int2", str(int2))]
+    methods = build_methods(["mtpspec-chain"], model_dir="m", heads_dirs=[str(int2)], num_heads=[2], quants=["int2"],
+                            tree="consensus", work_dir=tmp_path)
+    assert [(m.name, m.speculative_config["model"], m.unavailable) for m in methods] == [
+        ("mtpspec-chain k=2 +lookup block int2", str(int2), None)]
 
 
 def test_a_tree_row_the_heads_cannot_draft_is_reported_not_run(tiny_model, tiny_model_dir, tmp_path):

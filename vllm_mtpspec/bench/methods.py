@@ -77,9 +77,9 @@ def build_methods(names: list[str], *, model_dir: str, heads_dirs: list[str], nu
                 heads, unavailable = heads_dir, None
                 heads_config = _heads_config(heads_dir)
                 already_int2 = heads_config is not None and heads_config.quantization is not None
-                if quant != "fp" and already_int2:
+                if quant != "fp" and already_int2 and "fp" in quants:
                     continue  # the same engine as its "fp" row, which serves (and is labelled) INT2 already
-                if quant != "fp":
+                if quant != "fp" and not already_int2:
                     from vllm_mtpspec.checkpoint import HeadsError
 
                     try:
