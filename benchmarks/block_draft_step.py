@@ -1,7 +1,7 @@
 """One draft step of an attention draft block (extend by the step's accepted entries, then a
 chain of 4 depths), this tree's draft_block.py against an older commit's, same weights, batch
-1 and 8, contexts of 256 and 1,024 entries; median of a number of steps each, the two trees'
-steps interleaved, and whether the logits agree.
+1 and 8, contexts of 256 and 1,024 entries unless told (--batches, --contexts); median of a
+number of steps each, the two trees' steps interleaved, and whether the logits agree.
 
     python benchmarks/block_draft_step.py --against 6fd6ed2 --heads runs/block-v1-dv16k --threads 2
     python benchmarks/block_draft_step.py --against 9eb901e --heads runs/block-v2-layers-dv8k --int8 --accepted 3
@@ -29,6 +29,8 @@ parser.add_argument("--threads", type=int, default=2)
 parser.add_argument("--int8", action="store_true", help="draft in INT8, as the proposer does on AVX2-only CPUs")
 parser.add_argument("--accepted", type=int, default=1, help="entries each step appends before drafting")
 parser.add_argument("--repeats", type=int, default=30)
+parser.add_argument("--batches", default="1,8", help="requests drafted together, comma-separated")
+parser.add_argument("--contexts", default="256,1024", help="entries each request's cache holds, comma-separated")
 args = parser.parse_args()
 source = subprocess.run(["git", "show", f"{args.against}:vllm_mtpspec/draft_block.py"], capture_output=True,
                         text=True, check=True).stdout
@@ -98,8 +100,8 @@ def median_ms(times):
     return sorted(times)[len(times) // 2] * 1e3
 
 
-for batch in (1, 8):
-    for context in (256, 1024):
+for batch in [int(b) for b in args.batches.split(",")]:
+    for context in [int(c) for c in args.contexts.split(",")]:
         (step_old, la), (step_new, lb) = draft_step(heads_old, batch, context), draft_step(heads_new, batch, context)
         times_old, times_new = [], []
         for _ in range(args.repeats):  # interleaved: the machine's drifts reach both alike

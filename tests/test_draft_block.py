@@ -141,6 +141,33 @@ def test_extending_in_pieces_is_extending_at_once():
 
 
 @torch.no_grad()
+def test_attention_one_request_at_a_time_gives_what_the_padded_batch_gives(monkeypatch):
+    """A CPU attends one request at a time; other devices pad every request's keys to one
+    batch. Both, for requests of unequal contexts and rows, past the window too."""
+    block = make_block(window=6)
+    features, embed, tokens = random_sequence(16)
+    lm_head = torch.randn(VOCAB, D, dtype=torch.float64, generator=torch.Generator().manual_seed(2))
+
+    def extended_and_drafted():
+        caches = [block.empty_cache(dtype=torch.float64) for _ in range(3)]
+        for cache, length in zip(caches, (3, 9, 5)):
+            block.extend(cache, features[:length], embed[tokens[:length]])
+        rows = [slice(3, 5), slice(9, 10), slice(5, 8)]
+        out = block.extend_many(caches, [features[r] for r in rows], [embed[tokens[r]] for r in rows])
+        drafts = block.draft_chains(caches, torch.stack([o[-1] for o in out]), 3, lambda x: x @ lm_head.T,
+                                    lambda t: embed[t])
+        return out, drafts
+
+    each_out, each_drafts = extended_and_drafted()
+    monkeypatch.setattr(DraftBlock, "_attend_each", lambda self, q, keys, values, key_positions, positions, _:
+                        DraftBlock._attend_padded(self, q, keys, values, key_positions, positions))
+    padded_out, padded_drafts = extended_and_drafted()
+    for got, expected in zip(padded_out, each_out):
+        torch.testing.assert_close(got, expected)
+    torch.testing.assert_close(padded_drafts, each_drafts)
+
+
+@torch.no_grad()
 def test_the_window_keeps_the_last_entries_only():
     window = 4
     block = make_block(window=window)

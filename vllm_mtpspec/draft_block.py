@@ -373,20 +373,44 @@ class DraftBlock(DraftModule):
             held_keys, held_values = cache.held(first)
             keys.append(held_keys)
             values.append(held_values)
-        if len(caches) == 1:  # the cache's own views: nothing copied
-            keys, values = keys[0][None], values[0][None]
+        if len(caches) == 1 or device.type == "cpu":
+            attended = self._attend_each(q, keys, values, key_positions, positions, lengths)
         else:
-            width = max(hi - lo for lo, hi in key_positions)
-            padded = lambda t: F.pad(t, (0, 0, 0, width - t.shape[1]))  # noqa: E731
-            keys, values = torch.stack([padded(t) for t in keys]), torch.stack([padded(t) for t in values])
-        seen = None
-        if n > 1 or len(caches) > 1:  # one new row of one request sees every key it is given
-            key_pos = torch.stack([F.pad(torch.arange(lo, hi, device=device), (0, keys.shape[2] - (hi - lo)),
-                                         value=-1) for lo, hi in key_positions])                # [B, L]
-            seen = ((key_pos[:, None, :] >= 0) & (key_pos[:, None, :] <= positions[:, :, None])
-                    & (key_pos[:, None, :] > positions[:, :, None] - cfg.window))[:, None]       # [B, 1, n, L]
-        attended = F.scaled_dot_product_attention(q, keys, values, attn_mask=seen, enable_gqa=True)
+            attended = self._attend_padded(q, keys, values, key_positions, positions)
         return self._finish(x, attended, None if drafting is None else drafting.gate_up)
+
+    def _visible(self, key_positions: torch.Tensor, query_positions: torch.Tensor) -> torch.Tensor:
+        """[..., L] key and [..., n] query positions -> [..., n, L]: the keys each query
+        sees (at or before it, within the window; a padded key's position is -1)."""
+        keys, queries = key_positions[..., None, :], query_positions[..., :, None]
+        return (keys >= 0) & (keys <= queries) & (keys > queries - self.block_config.window)
+
+    def _attend_each(self, q, keys, values, key_positions, positions, lengths) -> torch.Tensor:
+        """Attention one request at a time over the cache's own views: nothing copied. On a
+        CPU the padded batch's copy of every request's keys cost more than the separate
+        calls (up to a window of entries per request, at every depth of every draft)."""
+        attended = []
+        for b, ((lo, hi), n_b) in enumerate(zip(key_positions, lengths)):
+            seen = None
+            if n_b > 1:  # one new row sees every key it is given
+                seen = self._visible(torch.arange(lo, hi, device=q.device), positions[b, :n_b])
+            out = F.scaled_dot_product_attention(q[b:b + 1, :, :n_b], keys[b][None], values[b][None],
+                                                 attn_mask=seen, enable_gqa=True)
+            if n_b < q.shape[2]:  # rows past a request's own: zeros, never read
+                out = F.pad(out, (0, 0, 0, q.shape[2] - n_b))
+            attended.append(out)
+        return attended[0] if len(attended) == 1 else torch.cat(attended)
+
+    def _attend_padded(self, q, keys, values, key_positions, positions) -> torch.Tensor:
+        """Attention for every request in one call, each one's keys padded to the longest:
+        one kernel for the batch where a launch costs more than the copy (a GPU)."""
+        width = max(hi - lo for lo, hi in key_positions)
+        padded = lambda t: F.pad(t, (0, 0, 0, width - t.shape[1]))  # noqa: E731
+        keys, values = torch.stack([padded(t) for t in keys]), torch.stack([padded(t) for t in values])
+        key_pos = torch.stack([F.pad(torch.arange(lo, hi, device=q.device), (0, width - (hi - lo)), value=-1)
+                               for lo, hi in key_positions])                                      # [B, L]
+        seen = self._visible(key_pos[:, None], positions[:, None])                               # [B, 1, n, L]
+        return F.scaled_dot_product_attention(q, keys, values, attn_mask=seen, enable_gqa=True)
 
     @staticmethod
     def truncate(cache: BlockCache, length: int) -> None:
