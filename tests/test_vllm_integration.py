@@ -452,9 +452,9 @@ TRAINED_BLOCK = Path(__file__).parent.parent / "data" / "heads" / "smollm2-135m-
 
 @pytest.fixture(scope="module")
 def int2_block_dir(tmp_path_factory):
-    """The trained draft block (reading layers 2, 15 and 27) in INT2, drafting among the
-    16,384 lowest token ids: its q/k/v and gate/up codes stacked and its token table made
-    from its codes (DraftBlock.prepare_drafting) on every draft."""
+    """The trained draft block (reading layers 2, 15 and 27) in INT2 (round-to-nearest),
+    drafting among the 16,384 lowest token ids, so that every draft reads the token table
+    DraftBlock.prepare_drafting made from its codes' values."""
     import torch
 
     from vllm_mtpspec.checkpoint import load_heads, save_heads
