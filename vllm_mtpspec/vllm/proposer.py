@@ -374,18 +374,13 @@ class MTPSpecProposer:
                 chains[head_owners[n]] = Candidate("heads", False, len(tokens), tuple(path), tuple(tokens))
             for n, (shape, tokens) in zip(tree_rows, trees):
                 i = owners[head_owners[n]]
-                shape, tokens = self._tree_within_budget(i, shape, list(tokens))
-                drafts[i] = tokens
-                if tokens:
-                    self.proposed_trees[req_ids[i]] = ProposedTree(shape, tuple(tokens))
-                else:
-                    self.proposed_trees.pop(req_ids[i], None)
+                self._send_draft(i, *self._tree_within_budget(i, shape, list(tokens)), drafts, req_ids)
         chains = self._within_budgets(chains, owners)
         if planner is not None:
             chains = self._planned(chains, owners, sampled, clock() - drafting_started if head_owners else 0.0)
             planner.proposal_took(clock() - proposing_started)
         for j, chain in chains.items():
-            self._send_chain(owners[j], chain_tree(chain.length), list(chain.tokens[:chain.length]), drafts, req_ids)
+            self._send_draft(owners[j], chain_tree(chain.length), list(chain.tokens[:chain.length]), drafts, req_ids)
         return drafts
 
     def _paced_pairs(self, pairs: list[tuple[int, int]], sampled: list[bool]) -> list[tuple[int, int]]:
@@ -406,31 +401,31 @@ class MTPSpecProposer:
         self.paced_steps += 1
         return [(i, row) for i, row in pairs if may[i]]
 
+    def _room(self, batch_index: int) -> int | None:
+        """How deep a request's drafts can still be kept (None: no max_tokens). The next
+        step emits one token whatever is kept, so a request that has made `made` of its
+        max_tokens can keep at most max_tokens - made - 1 drafts; vLLM verifies any further
+        ones for nothing (its scheduler does not cut drafts at max_tokens). Where vLLM's
+        async scheduling counts drafts not yet verified among those made, the cut comes
+        early: a few drafts fewer at a request's end, never a different token."""
+        budget = None if self._budget is None else self._budget(batch_index)
+        return None if budget is None else max(budget[0] - budget[1] - 1, 0)
+
     def _within_budgets(self, chains: dict[int, Candidate], owners: list[int]) -> dict[int, Candidate]:
-        """Each chain cut to what its request may still make. The next step emits one token
-        whatever is kept, so a request that has made `made` of its max_tokens can keep at
-        most max_tokens - made - 1 drafts; vLLM verifies any further ones for nothing (its
-        scheduler does not cut drafts at max_tokens). Where vLLM's async scheduling counts
-        drafts not yet verified among those made, the cut comes early: a few drafts fewer
-        at a request's end, never a different token."""
-        if self._budget is None:
-            return chains
+        """Each chain cut to the depth its request may still keep (_room)."""
         cut = {}
         for j, chain in chains.items():
-            budget = self._budget(owners[j])
-            room = chain.length if budget is None else max(budget[0] - budget[1] - 1, 0)
-            cut[j] = chain if room >= chain.length else dataclasses.replace(chain, length=room)
+            room = self._room(owners[j])
+            cut[j] = chain if room is None or room >= chain.length else dataclasses.replace(chain, length=room)
         return cut
 
     def _tree_within_budget(self, batch_index: int, shape: TreeShape, tokens: list[int]
                             ) -> tuple[TreeShape, list[int]]:
-        """A tree cut to what its request may still make, as _within_budgets cuts chains:
-        a node deeper than max_tokens - made - 1 could never be kept. What stays is the
-        tree's upper levels, breadth-first still, each node with its token."""
-        budget = None if self._budget is None else self._budget(batch_index)
-        if budget is None:
+        """A tree cut to the depth its request may still keep (_room): its upper levels,
+        breadth-first still, each node with its token."""
+        room = self._room(batch_index)
+        if room is None:
             return shape, tokens
-        room = max(budget[0] - budget[1] - 1, 0)
         return shape.limit_depth(room), [token for path, token in zip(shape.paths, tokens) if len(path) <= room]
 
     def _planned(self, chains: dict[int, Candidate], owners: list[int], sampled: list[bool],
@@ -488,11 +483,11 @@ class MTPSpecProposer:
         step = self.heads.draft_step(self._lm_head, self._embed, self._temperatures)
         return self._tree_builder.grow(step, hidden, token_ids, depth=depth, budget=budget, token_ids=self._draft_ids)
 
-    def _send_chain(self, batch_index: int, shape: TreeShape, tokens: list[int], drafts, req_ids) -> None:
+    def _send_draft(self, batch_index: int, shape: TreeShape, tokens: list[int], drafts, req_ids) -> None:
         drafts[batch_index] = tokens
         if req_ids is None:
             return
-        if tokens and self._blocker(batch_index) is None:  # a chain our verifier may check (sampled requests)
+        if tokens and self._blocker(batch_index) is None:  # a tree, or a chain our verifier may check
             self.proposed_trees[req_ids[batch_index]] = ProposedTree(shape, tuple(tokens))
         else:
             self.proposed_trees.pop(req_ids[batch_index], None)
