@@ -131,6 +131,24 @@ def test_requests_extended_together_get_what_each_gets_alone():
 
 
 @torch.no_grad()
+def test_requests_extended_together_compute_their_own_rows_only():
+    """A step that prefills a long prompt beside one-token decodes: every product of the
+    block reads the requests' rows packed, never each request padded to the longest."""
+    block = make_block()
+    features, embed, tokens = random_sequence(12)
+    caches = [block.empty_cache(dtype=torch.float64) for _ in range(4)]
+    block.extend(caches[1], features[:3], embed[tokens[:3]])
+    rows_read = []
+    hooks = [m.register_forward_hook(lambda m, args, out: rows_read.append(args[0].reshape(-1, args[0].shape[-1]).shape[0]))
+             for m in (block.fuse, block.q_proj, block.o_proj, block.down_proj)]
+    block.extend_many(caches, [features[:9], features[3:4], features[:1], features[:1]],
+                      [embed[tokens[:9]], embed[tokens[3:4]], embed[tokens[:1]], embed[tokens[:1]]])
+    for hook in hooks:
+        hook.remove()
+    assert rows_read == [12, 12, 12, 12]
+
+
+@torch.no_grad()
 def test_extending_in_pieces_is_extending_at_once():
     block = make_block()
     features, embed, tokens = random_sequence(9)
@@ -159,8 +177,7 @@ def test_attention_one_request_at_a_time_gives_what_the_padded_batch_gives(monke
         return out, drafts
 
     each_out, each_drafts = extended_and_drafted()
-    monkeypatch.setattr(DraftBlock, "_attend_each", lambda self, q, keys, values, key_positions, positions, _:
-                        DraftBlock._attend_padded(self, q, keys, values, key_positions, positions))
+    monkeypatch.setattr(DraftBlock, "_attend_each", DraftBlock._attend_padded)
     padded_out, padded_drafts = extended_and_drafted()
     for got, expected in zip(padded_out, each_out):
         torch.testing.assert_close(got, expected)

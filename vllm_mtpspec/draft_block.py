@@ -338,46 +338,40 @@ class DraftBlock(DraftModule):
         outputs g [n_b, d], all requests in one pass. A draft is the same call on its
         chain's entries (no layer features), undone with `truncate` once the chain is
         drafted; `trim` drops what fell out of the window."""
-        lengths = [f.shape[0] for f in features]
-        if len(caches) == 1:  # nothing to pad
-            x = self.fused_inputs(features[0][None], token_embeds[0][None],
-                                  None if layer_features is None else layer_features[0][None])
-        else:
-            n = max(lengths)
-            pad = lambda t: F.pad(t, (0, 0, 0, n - t.shape[0]))  # noqa: E731
-            padded_layers = None
-            if layer_features is not None:
-                padded_layers = torch.stack([F.pad(t, (0, 0, 0, 0, 0, n - t.shape[0])) for t in layer_features])
-            x = self.fused_inputs(torch.stack([pad(f) for f in features]),
-                                  torch.stack([pad(e) for e in token_embeds]), padded_layers)
-        g = self._extend(caches, x, lengths)
-        return [g[b, :lengths[b]] for b in range(len(caches))]
+        x = self.fused_inputs(torch.cat(features), torch.cat(token_embeds),
+                              None if layer_features is None else torch.cat(layer_features))
+        return list(self._extend(caches, x, [f.shape[0] for f in features]).split([f.shape[0] for f in features]))
 
     def _extend(self, caches: list[BlockCache], x: torch.Tensor, lengths: list[int]) -> torch.Tensor:
-        """extend_many from the fused inputs x [B, n, d] (request b's first lengths[b] rows
-        real) -> g [B, n, d]. Positions and masks are built on x's device from the caches'
-        host-side lengths: no copy from the host, no sync."""
+        """extend_many from the fused inputs x [R, d]: each request's rows in turn, lengths[b]
+        of them for request b -> g [R, d]. The rows stay packed through every product and
+        norm: a step that prefills one long prompt beside many one-token decodes computes
+        its rows, not every request padded to the longest. Positions are built on x's
+        device from the caches' host-side lengths: no copy from the host, no sync."""
         cfg = self.block_config
         device = x.device
-        n = x.shape[1]
-        positions = torch.stack([torch.arange(c.length, c.length + n, device=device) for c in caches])  # [B, n]
+        positions = torch.cat([torch.arange(c.length, c.length + n, device=device)
+                               for c, n in zip(caches, lengths)])                               # [R]
         drafting = self._drafting
-        q, k, v = self._qkv(x, positions, None if drafting is None else drafting.qkv)
+        q, k, v = self._qkv(x[None], positions[None], None if drafting is None else drafting.qkv)  # [1, heads, R, hd]
         # Each request's visible keys: its entries less than a window before its first new
         # row, then its new ones. A query at p sees keys in (p - window, p].
-        keys, values, key_positions = [], [], []
-        for b, cache in enumerate(caches):
+        keys, values, key_positions, rows = [], [], [], []
+        offset = 0
+        for cache, n in zip(caches, lengths):
             first = max(0, cache.size - cfg.window + 1)
-            key_positions.append((cache.start + first, cache.length + lengths[b]))
-            cache.append(k[b, :, :lengths[b]], v[b, :, :lengths[b]])
+            key_positions.append((cache.start + first, cache.length + n))
+            cache.append(k[0, :, offset:offset + n], v[0, :, offset:offset + n])
             held_keys, held_values = cache.held(first)
             keys.append(held_keys)
             values.append(held_values)
+            rows.append((offset, n))
+            offset += n
         if len(caches) == 1 or device.type == "cpu":
-            attended = self._attend_each(q, keys, values, key_positions, positions, lengths)
+            attended = self._attend_each(q, keys, values, key_positions, positions, rows)
         else:
-            attended = self._attend_padded(q, keys, values, key_positions, positions)
-        return self._finish(x, attended, None if drafting is None else drafting.gate_up)
+            attended = self._attend_padded(q, keys, values, key_positions, positions, rows)
+        return self._finish(x[None], attended, None if drafting is None else drafting.gate_up)[0]
 
     def _visible(self, key_positions: torch.Tensor, query_positions: torch.Tensor) -> torch.Tensor:
         """[..., L] key and [..., n] query positions -> [..., n, L]: the keys each query
@@ -385,32 +379,35 @@ class DraftBlock(DraftModule):
         keys, queries = key_positions[..., None, :], query_positions[..., :, None]
         return (keys >= 0) & (keys <= queries) & (keys > queries - self.block_config.window)
 
-    def _attend_each(self, q, keys, values, key_positions, positions, lengths) -> torch.Tensor:
+    def _attend_each(self, q, keys, values, key_positions, positions, rows) -> torch.Tensor:
         """Attention one request at a time over the cache's own views: nothing copied. On a
         CPU the padded batch's copy of every request's keys cost more than the separate
-        calls (up to a window of entries per request, at every depth of every draft)."""
+        calls (up to a window of entries per request, at every depth of every draft).
+        q [1, H, R, hd] packed, rows: each request's (first row, number of rows) in it."""
         attended = []
-        for b, ((lo, hi), n_b) in enumerate(zip(key_positions, lengths)):
+        for b, ((lo, hi), (first, n_b)) in enumerate(zip(key_positions, rows)):
             seen = None
             if n_b > 1:  # one new row sees every key it is given
-                seen = self._visible(torch.arange(lo, hi, device=q.device), positions[b, :n_b])
-            out = F.scaled_dot_product_attention(q[b:b + 1, :, :n_b], keys[b][None], values[b][None],
-                                                 attn_mask=seen, enable_gqa=True)
-            if n_b < q.shape[2]:  # rows past a request's own: zeros, never read
-                out = F.pad(out, (0, 0, 0, q.shape[2] - n_b))
-            attended.append(out)
-        return attended[0] if len(attended) == 1 else torch.cat(attended)
+                seen = self._visible(torch.arange(lo, hi, device=q.device), positions[first:first + n_b])
+            attended.append(F.scaled_dot_product_attention(q[:, :, first:first + n_b], keys[b][None],
+                                                           values[b][None], attn_mask=seen, enable_gqa=True))
+        return attended[0] if len(attended) == 1 else torch.cat(attended, 2)
 
-    def _attend_padded(self, q, keys, values, key_positions, positions) -> torch.Tensor:
-        """Attention for every request in one call, each one's keys padded to the longest:
-        one kernel for the batch where a launch costs more than the copy (a GPU)."""
+    def _attend_padded(self, q, keys, values, key_positions, positions, rows) -> torch.Tensor:
+        """Attention for every request in one call, each one's rows and keys padded to the
+        longest: one kernel for the batch where a launch costs more than the copy (a GPU)."""
         width = max(hi - lo for lo, hi in key_positions)
-        padded = lambda t: F.pad(t, (0, 0, 0, width - t.shape[1]))  # noqa: E731
-        keys, values = torch.stack([padded(t) for t in keys]), torch.stack([padded(t) for t in values])
+        n = max(n_b for _, n_b in rows)
+        padded = lambda t, size: F.pad(t, (0, 0, 0, size - t.shape[-2]))  # noqa: E731
+        keys = torch.stack([padded(t, width) for t in keys])
+        values = torch.stack([padded(t, width) for t in values])
         key_pos = torch.stack([F.pad(torch.arange(lo, hi, device=q.device), (0, width - (hi - lo)), value=-1)
                                for lo, hi in key_positions])                                      # [B, L]
-        seen = self._visible(key_pos[:, None], positions[:, None])                               # [B, 1, n, L]
-        return F.scaled_dot_product_attention(q, keys, values, attn_mask=seen, enable_gqa=True)
+        queries = torch.stack([padded(q[0, :, first:first + n_b], n) for first, n_b in rows])     # [B, H, n, hd]
+        query_pos = torch.stack([F.pad(positions[first:first + n_b], (0, n - n_b)) for first, n_b in rows])
+        seen = self._visible(key_pos[:, None], query_pos[:, None])                               # [B, 1, n, L]
+        out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=seen, enable_gqa=True)
+        return torch.cat([out[b, :, :n_b] for b, (_, n_b) in enumerate(rows)], 1)[None]         # [1, H, R, hd]
 
     @staticmethod
     def truncate(cache: BlockCache, length: int) -> None:
@@ -434,7 +431,7 @@ class DraftBlock(DraftModule):
             raise ValueError(f"prepare_drafting was given the embeddings of {token_inputs.shape[0]} draft tokens, and "
                              f"draft_chains {'no draft vocabulary' if draft_ids is None else draft_ids.shape[0]}")
         ends = [c.length for c in caches]
-        one_each = [1] * len(caches)
+        one_each = [1] * len(caches)  # each request's chain adds one row per depth
         g, logits = newest, []
         for j in range(depth):
             logits.append(project(g))
@@ -443,11 +440,10 @@ class DraftBlock(DraftModule):
             index = logits[-1].argmax(-1)
             if token_inputs is not None:
                 x = drafting.feature_fuse(self.feature_norm(_in_dtype(g, token_inputs.dtype))) + token_inputs[index]
-                x = x[:, None]
             else:
                 token = index if draft_ids is None else draft_ids[index]
-                x = self.fused_inputs(g[:, None], embed(token)[:, None])
-            g = self._extend(caches, x, one_each)[:, 0]
+                x = self.fused_inputs(g, embed(token))
+            g = self._extend(caches, x, one_each)
         for cache, end in zip(caches, ends):
             self.truncate(cache, end)
         return torch.stack(logits, 1)
