@@ -373,8 +373,8 @@ def test_served_drafts_follow_the_same_chain_as_the_reference_drafter():
     token_ids[0, :7], token_ids[1, :9] = tokens[:7].numpy(), tokens[5:14].numpy()
     rows = ScheduledRows(hidden_states=torch.cat([features[:6], features[6:14]]), num_scheduled=[6, 8],
                          num_computed=[0, 0])
-    newest = contexts.update(["a", "b"], rows, [7, 9], token_ids)
-    probs = contexts.chain_probs([0, 1], newest, ["a", "b"], 3, lambda x: x @ lm_head.T, torch.ones(3), None)
+    contexts.update(["a", "b"], rows, [7, 9], token_ids)
+    probs = contexts.chain_probs([0, 1], ["a", "b"], 3, lambda x: x @ lm_head.T, torch.ones(3), None)
     for batch_index, (states, seq) in enumerate([(features[:6], tokens[:7]), (features[6:14], tokens[5:14])]):
         drafter = BlockDrafter(block, model)
         drafter.start()
@@ -420,8 +420,8 @@ def test_a_block_with_a_draft_vocabulary_drafts_the_whole_blocks_chain_among_its
     token_ids = np.zeros((1, 16), dtype=np.int64)
     token_ids[0, :13] = seq.numpy()
     rows = ScheduledRows(hidden_states=features, num_scheduled=[12], num_computed=[0])
-    newest = contexts.update(["a"], rows, [13], token_ids)
-    probs = contexts.chain_probs([0], newest, ["a"], 3, small.lm_head_for(lm_head), torch.ones(3), ids)
+    contexts.update(["a"], rows, [13], token_ids)
+    probs = contexts.chain_probs([0], ["a"], 3, small.lm_head_for(lm_head), torch.ones(3), ids)
     torch.testing.assert_close(probs[0], torch.softmax(expected[:, ids], -1))
 
 
@@ -463,24 +463,32 @@ def test_reference_decoding_with_a_draft_vocabulary_block_is_lossless(smollm2_fp
 
 
 @torch.no_grad()
-def test_a_served_cache_that_ends_elsewhere_than_the_step_begins_is_cut_back_or_started_again():
+@pytest.mark.parametrize("held_back", [0, 100], ids=["run at once", "held back"])
+def test_a_served_cache_that_ends_elsewhere_than_the_step_begins_is_cut_back_or_started_again(held_back):
     """Preemption recomputes positions the cache holds: it is cut back to where the step
     begins. A prefix-cache hit skips positions it never saw: it starts again there. Either
-    way a request drafts from what a cache of exactly the positions it was fed holds."""
+    way a request drafts from what a cache of exactly the positions it was fed holds,
+    whether its rows ran through the block at once or were held back until the draft."""
     import numpy as np
 
     from vllm_mtpspec.vllm.block_context import BlockContexts, ScheduledRows
 
     block = make_block(num_heads=2)
-    features, embed, tokens = random_sequence(12)
+    features, embed, tokens = random_sequence(16)
     contexts = BlockContexts(block, torch.nn.Embedding.from_pretrained(embed))
-    token_ids = np.zeros((1, 20), dtype=np.int64)
-    token_ids[0, :16] = tokens.numpy()
+    contexts.max_pending_rows = held_back
+    token_ids = np.zeros((1, 24), dtype=np.int64)
+    token_ids[0, :20] = tokens.numpy()
 
-    def step(start: int, n: int) -> torch.Tensor:
-        """vLLM computes positions start .. start + n - 1, each producing a known token."""
+    def step(start: int, n: int, drafted: bool = True) -> torch.Tensor | None:
+        """vLLM computes positions start .. start + n - 1, each producing a known token;
+        drafted: the request is then drafted for (its newest output)."""
         rows = ScheduledRows(hidden_states=features[start:start + n], num_scheduled=[n], num_computed=[start])
-        return contexts.update(["a"], rows, [start + n + 1], token_ids)[0]
+        contexts.update(["a"], rows, [start + n + 1], token_ids)
+        if drafted:
+            contexts._run_pending(["a"])
+            return contexts.newest["a"]
+        return None
 
     def fed_only(start: int, end: int) -> torch.Tensor:
         """The output at position end - 1 of a cache fed positions start .. end - 1 alone."""
@@ -496,6 +504,51 @@ def test_a_served_cache_that_ends_elsewhere_than_the_step_begins_is_cut_back_or_
     torch.testing.assert_close(step(2, 5), fed_only(2, 7))       # recomputed from before the cache began
     torch.testing.assert_close(step(9, 2), fed_only(9, 11))      # positions 7-8 skipped: started again
     assert contexts.caches["a"].start == 9
+    # Steps not drafted for: rows held back are cut back too, then run when a draft asks.
+    step(11, 1, drafted=False)
+    step(12, 2, drafted=False)
+    assert contexts.caches["a"].length == (11 if held_back else 14)
+    torch.testing.assert_close(step(13, 2), fed_only(9, 15))     # 13 computed again, cut from what is held
+    assert contexts.caches["a"].length == 15
+
+
+@torch.no_grad()
+def test_rows_wait_for_a_draft_and_run_together_once_a_request_holds_enough():
+    """Steps nobody drafts for run nothing through the block; a request's rows run once it
+    holds max_pending_rows of them, or when it is drafted for, into the same entries."""
+    import numpy as np
+
+    from vllm_mtpspec.vllm.block_context import BlockContexts, ScheduledRows
+
+    block = make_block(num_heads=2)
+    features, embed, tokens = random_sequence(12)
+    contexts = BlockContexts(block, torch.nn.Embedding.from_pretrained(embed))
+    contexts.max_pending_rows = 5
+    token_ids = np.zeros((2, 20), dtype=np.int64)
+    token_ids[0, :16] = tokens.numpy()
+    token_ids[1, :16] = tokens.flip(0).numpy()
+    passes = []
+    extend_many = block.extend_many
+    block.extend_many = lambda caches, *args: passes.append(len(caches)) or extend_many(caches, *args)
+    lm_head = torch.randn(VOCAB, D, dtype=torch.float64, generator=torch.Generator().manual_seed(4))
+
+    def step(start: list[int], n: list[int]) -> None:
+        states = torch.cat([features[s:s + k] for s, k in zip(start, n)])
+        contexts.update(["a", "b"], ScheduledRows(states, n, start), [s + k + 1 for s, k in zip(start, n)],
+                        token_ids)
+
+    step([0, 0], [3, 2])
+    step([3, 2], [1, 1])
+    assert passes == [] and contexts.pending["a"].rows == 4 and contexts.caches["a"].size == 0
+    step([4, 3], [2, 1])                                          # "a" holds 6 rows: they run; "b" 4 wait
+    assert passes == [1] and contexts.caches["a"].length == 6 and "a" not in contexts.pending
+    assert contexts.pending["b"].rows == 4 and contexts.caches["b"].size == 0
+    probs = contexts.chain_probs([1], ["a", "b"], 2, lambda x: x @ lm_head.T, torch.ones(2), None)
+    assert passes == [1, 1] and contexts.caches["b"].length == 4 and "b" not in contexts.pending
+    alone = block.empty_cache(dtype=torch.float64)
+    newest = block.extend(alone, features[:4], embed[torch.as_tensor(token_ids[1, 1:5])])[-1]
+    expected = block.draft_chains([alone], newest[None], 2, lambda x: x @ lm_head.T, lambda t: embed[t])
+    torch.testing.assert_close(probs, torch.softmax(expected.float(), -1).to(probs.dtype))
 
 
 def test_the_reference_decoder_refuses_a_tree_for_a_block(tiny_model, tiny_model_dir):

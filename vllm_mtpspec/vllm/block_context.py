@@ -1,6 +1,14 @@
 """What an attention draft block remembers per request while vLLM serves: the cache of its
-entries for accepted positions, fed every step from the hidden states vLLM computed for
-every scheduled token (prefill chunks included).
+entries for accepted positions, fed from the hidden states vLLM computed for every
+scheduled token (prefill chunks included).
+
+The rows are taken every step but go through the block only when a draft needs them (or
+once a request holds `max_pending_rows` of them). The block is one layer, so an entry's
+key and value depend on its own position's inputs alone: running rows late gives the
+entries running them at once would. A step where the planner drafts nothing for a
+request (most steps of a large batch on a CPU) costs that request a copy of its rows;
+running them is counted as the drafting time of the step that needs them, which the
+planner weighs against what the drafts add.
 
 Row layout, per request in the input batch's order: its scheduled tokens at positions
 num_computed .. num_computed + n - 1. Row r's state produced the token at position
@@ -18,7 +26,7 @@ positions without us seeing them or computes them again:
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -35,65 +43,138 @@ class ScheduledRows:
     layer_states: list[torch.Tensor] | None = None
 
 
+@dataclass
+class PendingRows:
+    """A request's rows taken and not yet run through the block, at the positions right
+    after its cache's entries."""
+    states: list[torch.Tensor] = field(default_factory=list)        # [n, d] each
+    tokens: list[torch.Tensor] = field(default_factory=list)        # [n] each: the tokens they produced (host)
+    layer_states: list[torch.Tensor] = field(default_factory=list)  # [n, layers, d] each, where the block reads any
+    rows: int = 0
+
+    def add(self, states: torch.Tensor, tokens: torch.Tensor, layer_states: torch.Tensor | None) -> None:
+        self.states.append(states)
+        self.tokens.append(tokens)
+        if layer_states is not None:
+            self.layer_states.append(layer_states)
+        self.rows += states.shape[0]
+
+    def keep_first(self, rows: int) -> None:
+        """Forgets every row after the first `rows` (positions vLLM computes again)."""
+        kept = PendingRows()
+        for i, states in enumerate(self.states):
+            take = min(states.shape[0], rows - kept.rows)
+            if take <= 0:
+                break
+            kept.add(states[:take], self.tokens[i][:take],
+                     self.layer_states[i][:take] if self.layer_states else None)
+        self.states, self.tokens, self.layer_states, self.rows = (kept.states, kept.tokens, kept.layer_states,
+                                                                  kept.rows)
+
+
 class BlockContexts:
+    # Rows a request holds back at most: beyond them they run through the block even with no
+    # draft asking (a prompt's prefill, or a request the planner has not drafted for a while),
+    # so that what is held stays small: 64 rows of a block reading three layers are 0.6 MB
+    # per request in fp32.
+    max_pending_rows = 64
+
     def __init__(self, block: DraftBlock, embed) -> None:
         self.block = block
         self._embed = embed
         self.caches: dict[str, BlockCache] = {}
+        self.pending: dict[str, PendingRows] = {}
+        self.newest: dict[str, torch.Tensor] = {}  # the block's output at a cache's last entry
+
+    def forget(self, req_id: str) -> None:
+        self.caches.pop(req_id, None)
+        self.pending.pop(req_id, None)
+        self.newest.pop(req_id, None)
+
+    def held_requests(self) -> set[str]:
+        return set(self.caches) | set(self.pending) | set(self.newest)
 
     @torch.no_grad()
-    def update(self, req_ids: list[str], rows: ScheduledRows, num_tokens_no_spec, token_ids_cpu) -> dict[int, torch.Tensor]:
-        """Feeds this step's accepted rows into each request's cache (all requests in one
-        pass of the block); returns, by batch index, the block's output at the request's
-        newest position (what drafts from it)."""
+    def update(self, req_ids: list[str], rows: ScheduledRows, num_tokens_no_spec, token_ids_cpu) -> None:
+        """Takes this step's accepted rows of each request, copied (vLLM reuses its
+        buffers); those of a request holding max_pending_rows or more go through the block."""
         live = set(req_ids)
-        self.caches = {r: c for r, c in self.caches.items() if r in live}
-        fed, caches, states, produced, layers = [], [], [], [], []
+        for req_id in [r for r in self.held_requests() if r not in live]:
+            self.forget(req_id)
+        total = sum(int(n) for n in rows.num_scheduled)
         entering = None
         if self.block.feature_layers:
             if not rows.layer_states or len(rows.layer_states) != len(self.block.feature_layers):
                 raise RuntimeError(f"the draft block reads the states entering target layers "
                                    f"{self.block.feature_layers}, and vLLM handed "
                                    f"{len(rows.layer_states or [])} aux_hidden_states this step")
-            entering = torch.stack([state[:rows.hidden_states.shape[0]] for state in rows.layer_states], 1)
-        offset = 0
+            entering = torch.stack([state[:total] for state in rows.layer_states], 1)  # a copy already
+        states = rows.hidden_states[:total].clone()
+        due, offset = [], 0
         for i, req_id in enumerate(req_ids):
             n, start = int(rows.num_scheduled[i]), int(rows.num_computed[i])
-            cache = self._cache_ending_at(req_id, start)
+            self._cache_ending_at(req_id, start)
             known = min(n, int(num_tokens_no_spec[i]) - 1 - start)
             if known > 0:
-                fed.append(i)
-                caches.append(cache)
-                states.append(rows.hidden_states[offset:offset + known])
-                if entering is not None:
-                    layers.append(entering[offset:offset + known])
-                produced.append(torch.as_tensor(token_ids_cpu[i, start + 1:start + 1 + known], dtype=torch.long))
+                pending = self.pending.setdefault(req_id, PendingRows())
+                pending.add(states[offset:offset + known],
+                            torch.tensor(token_ids_cpu[i, start + 1:start + 1 + known], dtype=torch.long),
+                            None if entering is None else entering[offset:offset + known])
+                if pending.rows >= self.max_pending_rows:
+                    due.append(req_id)
             offset += n
-        if not fed:
-            return {}
-        device = rows.hidden_states.device
-        embeds = self._embed(torch.cat(produced).to(device)).split([len(t) for t in produced])
-        outputs = self.block.extend_many(caches, states, list(embeds), layers if entering is not None else None)
-        for cache in caches:
+        self._run_pending(due)
+
+    def _run_pending(self, req_ids: list[str]) -> None:
+        """Runs the requests' pending rows through the block (all in one pass): into their
+        caches, and their newest outputs."""
+        req_ids = [r for r in req_ids if r in self.pending]
+        if not req_ids:
+            return
+        pending = [self.pending.pop(r) for r in req_ids]
+        caches = [self.caches[r] for r in req_ids]
+        states = [torch.cat(p.states) for p in pending]
+        produced = torch.cat([t for p in pending for t in p.tokens]).to(states[0].device)
+        embeds = self._embed(produced).split([p.rows for p in pending])
+        layer_states = [torch.cat(p.layer_states) for p in pending] if self.block.feature_layers else None
+        outputs = self.block.extend_many(caches, states, list(embeds), layer_states)
+        for req_id, cache, out in zip(req_ids, caches, outputs):
             self.block.trim(cache)
-        return {i: out[-1] for i, out in zip(fed, outputs)}
+            self.newest[req_id] = out[-1]
 
     def _cache_ending_at(self, req_id: str, position: int) -> BlockCache:
+        """The request's cache, with its pending rows ending where this step's rows begin."""
         cache = self.caches.get(req_id)
-        if cache is None or cache.length < position or position < cache.start:
+        pending = self.pending.get(req_id)
+        end = None if cache is None else cache.length + (pending.rows if pending is not None else 0)
+        if cache is None or end < position or position < cache.start:
+            self.forget(req_id)
             cache = self.block.empty_cache()
             cache.start = position
             self.caches[req_id] = cache
-        elif cache.length > position:
-            self.block.truncate(cache, position)
+        elif end > position:
+            if position > cache.length:
+                pending.keep_first(position - cache.length)
+            else:
+                self.pending.pop(req_id, None)
+            if position < cache.length:  # its newest output is of a position cut off
+                self.newest.pop(req_id, None)
+                self.block.truncate(cache, position)
         return cache
 
     @torch.no_grad()
-    def chain_probs(self, batch_indices: list[int], newest: dict[int, torch.Tensor], req_ids: list[str], depth: int,
-                    project, temperatures: torch.Tensor, draft_ids: torch.Tensor | None) -> torch.Tensor:
+    def chain_probs(self, batch_indices: list[int], req_ids: list[str], depth: int, project,
+                    temperatures: torch.Tensor, draft_ids: torch.Tensor | None) -> torch.Tensor:
         """[B, depth, V] temperature-scaled probabilities along each request's own top-1
-        chain, all requests drafted together."""
-        caches = [self.caches[req_ids[i]] for i in batch_indices]
-        logits = self.block.draft_chains(caches, torch.stack([newest[i] for i in batch_indices]), depth, project,
+        chain from its newest accepted position, all requests drafted together (their
+        pending rows first)."""
+        drafted = [req_ids[i] for i in batch_indices]
+        self._run_pending(drafted)
+        missing = [r for r in drafted if r not in self.newest]
+        if missing:
+            raise RuntimeError(f"requests {missing} are drafted for, and the draft block's caches took no row of "
+                               "theirs since they were last cut back")
+        logits = self.block.draft_chains([self.caches[r] for r in drafted],
+                                         torch.stack([self.newest[r] for r in drafted]), depth, project,
                                          self._embed, draft_ids).float()
         return torch.softmax(logits / temperatures[:depth, None], dim=-1)

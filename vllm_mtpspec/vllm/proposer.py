@@ -160,7 +160,7 @@ class MTPSpecProposer:
         """A request finished or was aborted: nothing of it is kept."""
         self.proposed_trees.pop(req_id, None)
         if self.block_contexts is not None:
-            self.block_contexts.caches.pop(req_id, None)
+            self.block_contexts.forget(req_id)
         if self.planner is not None:
             self.planner.forget(req_id)
 
@@ -168,7 +168,7 @@ class MTPSpecProposer:
         """The requests the proposer keeps any state for."""
         held = set(self.proposed_trees)
         if self.block_contexts is not None:
-            held |= set(self.block_contexts.caches)
+            held |= self.block_contexts.held_requests()
         if self.planner is not None:
             held |= self.planner.held_requests()
         return held
@@ -325,7 +325,7 @@ class MTPSpecProposer:
         self._sample_hidden_states = None
         drafts: list[list[int]] = [[] for _ in sampled_token_ids]
         req_ids = self._req_ids
-        newest = self._feed_block(req_ids, num_tokens_no_spec, token_ids_cpu)
+        self._feed_block(req_ids, num_tokens_no_spec, token_ids_cpu)
         live = None if req_ids is None else set(req_ids)
         if live is not None:
             self.proposed_trees = {r: t for r, t in self.proposed_trees.items() if r in live}
@@ -355,8 +355,8 @@ class MTPSpecProposer:
             on_tree = set(tree_rows)
             chain_rows = [n for n in range(len(head_owners)) if n not in on_tree]
             if self.block_contexts is not None:
-                chain_probs = self.block_contexts.chain_probs([owners[j] for j in head_owners], newest, req_ids,
-                                                              depth, self._lm_head, self._temperatures, self._draft_ids)
+                chain_probs = self.block_contexts.chain_probs([owners[j] for j in head_owners], req_ids, depth,
+                                                              self._lm_head, self._temperatures, self._draft_ids)
                 trees = []  # an attention block drafts chains only (tree_refusal)
             elif self.heads.config.grows_trees:
                 # Each tree node's children come from its own draft step (grown_tree.py).
@@ -444,15 +444,15 @@ class MTPSpecProposer:
             logger.info("mtpspec: draft planner: %s%s", self.planner.describe(), paced)
         return {j: dataclasses.replace(chain, length=lengths[owners[j]]) for j, chain in chains.items()}
 
-    def _feed_block(self, req_ids, num_tokens_no_spec, token_ids_cpu) -> dict[int, torch.Tensor]:
-        """Every step, drafted or not: the draft block's caches take the accepted rows."""
+    def _feed_block(self, req_ids, num_tokens_no_spec, token_ids_cpu) -> None:
+        """Every step, drafted or not: the draft block takes the accepted rows (block_context.py)."""
         scheduled, self._scheduled = self._scheduled, None
         if self.block_contexts is None:
-            return {}
+            return
         if scheduled is None or req_ids is None or num_tokens_no_spec is None or token_ids_cpu is None:
             raise RuntimeError("an attention draft block needs every step's hidden states and token ids from the "
                                "runner hook (hooks.py), and this step had none")
-        return self.block_contexts.update(req_ids, scheduled, num_tokens_no_spec, token_ids_cpu)
+        self.block_contexts.update(req_ids, scheduled, num_tokens_no_spec, token_ids_cpu)
 
     def _batch_ids(self, num_requests: int) -> list[str]:
         return list(self._req_ids) if self._req_ids is not None else [str(i) for i in range(num_requests)]
