@@ -404,7 +404,10 @@ class DraftBlock(DraftModule):
         key_pos = torch.stack([F.pad(torch.arange(lo, hi, device=q.device), (0, width - (hi - lo)), value=-1)
                                for lo, hi in key_positions])                                      # [B, L]
         queries = torch.stack([padded(q[0, :, first:first + n_b], n) for first, n_b in rows])     # [B, H, n, hd]
-        query_pos = torch.stack([F.pad(positions[first:first + n_b], (0, n - n_b)) for first, n_b in rows])
+        # A padded query takes the positions after its request's last row: it sees keys (its
+        # row of weights is never empty) and is dropped below.
+        query_pos = torch.stack([torch.arange(hi - n_b, hi - n_b + n, device=q.device)
+                                 for (_, hi), (_, n_b) in zip(key_positions, rows)])              # [B, n]
         seen = self._visible(key_pos[:, None], query_pos[:, None])                               # [B, 1, n, L]
         out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=seen, enable_gqa=True)
         return torch.cat([out[b, :, :n_b] for b, (_, n_b) in enumerate(rows)], 1)[None]         # [1, H, R, hd]
