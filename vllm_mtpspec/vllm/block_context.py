@@ -134,7 +134,10 @@ class BlockContexts:
         pending = [self.pending.pop(r) for r in req_ids]
         caches = [self.caches[r] for r in req_ids]
         states = [torch.cat(p.states) for p in pending]
-        produced = torch.cat([t for p in pending for t in p.tokens]).to(states[0].device)
+        produced = torch.cat([t for p in pending for t in p.tokens])
+        if states[0].is_cuda:  # a pinned copy goes with the stream: no wait for the device
+            produced = produced.pin_memory()
+        produced = produced.to(states[0].device, non_blocking=True)
         embeds = self._embed(produced).split([p.rows for p in pending])
         layer_states = [torch.cat(p.layer_states) for p in pending] if self.block.feature_layers else None
         outputs = self.block.extend_many(caches, states, list(embeds), layer_states)
