@@ -515,7 +515,8 @@ def test_a_served_cache_that_ends_elsewhere_than_the_step_begins_is_cut_back_or_
 @torch.no_grad()
 def test_rows_wait_for_a_draft_and_run_together_once_a_request_holds_enough():
     """Steps nobody drafts for run nothing through the block; a request's rows run once it
-    holds max_pending_rows of them, or when it is drafted for, into the same entries."""
+    holds max_pending_rows of them, or when it is drafted for, into the same entries. What
+    it holds is its own copy: vLLM reuses its buffers."""
     import numpy as np
 
     from vllm_mtpspec.vllm.block_context import BlockContexts, ScheduledRows
@@ -536,6 +537,7 @@ def test_rows_wait_for_a_draft_and_run_together_once_a_request_holds_enough():
         states = torch.cat([features[s:s + k] for s, k in zip(start, n)])
         contexts.update(["a", "b"], ScheduledRows(states, n, start), [s + k + 1 for s, k in zip(start, n)],
                         token_ids)
+        states.fill_(float("nan"))  # vLLM writes its next step's states over this one's
 
     step([0, 0], [3, 2])
     step([3, 2], [1, 1])
@@ -543,6 +545,8 @@ def test_rows_wait_for_a_draft_and_run_together_once_a_request_holds_enough():
     step([4, 3], [2, 1])                                          # "a" holds 6 rows: they run; "b" 4 wait
     assert passes == [1] and contexts.caches["a"].length == 6 and "a" not in contexts.pending
     assert contexts.pending["b"].rows == 4 and contexts.caches["b"].size == 0
+    held = contexts.pending["b"].states[-1]  # its own copy, not a view of the step's whole buffer
+    assert held.untyped_storage().nbytes() == held.numel() * held.element_size()
     probs = contexts.chain_probs([1], ["a", "b"], 2, lambda x: x @ lm_head.T, torch.ones(2), None)
     assert passes == [1, 1] and contexts.caches["b"].length == 4 and "b" not in contexts.pending
     alone = block.empty_cache(dtype=torch.float64)

@@ -101,25 +101,23 @@ class BlockContexts:
         live = set(req_ids)
         for req_id in [r for r in self.held_requests() if r not in live]:
             self.forget(req_id)
-        total = sum(int(n) for n in rows.num_scheduled)
-        entering = None
-        if self.block.feature_layers:
-            if not rows.layer_states or len(rows.layer_states) != len(self.block.feature_layers):
-                raise RuntimeError(f"the draft block reads the states entering target layers "
-                                   f"{self.block.feature_layers}, and vLLM handed "
-                                   f"{len(rows.layer_states or [])} aux_hidden_states this step")
-            entering = torch.stack([state[:total] for state in rows.layer_states], 1)  # a copy already
-        states = rows.hidden_states[:total].clone()
+        reads_layers = bool(self.block.feature_layers)
+        if reads_layers and (not rows.layer_states or len(rows.layer_states) != len(self.block.feature_layers)):
+            raise RuntimeError(f"the draft block reads the states entering target layers "
+                               f"{self.block.feature_layers}, and vLLM handed "
+                               f"{len(rows.layer_states or [])} aux_hidden_states this step")
         due, offset = [], 0
         for i, req_id in enumerate(req_ids):
             n, start = int(rows.num_scheduled[i]), int(rows.num_computed[i])
             self._cache_ending_at(req_id, start)
             known = min(n, int(num_tokens_no_spec[i]) - 1 - start)
             if known > 0:
+                # Copies of the request's own rows: a view would keep the step's whole buffer.
+                taken = slice(offset, offset + known)
                 pending = self.pending.setdefault(req_id, PendingRows())
-                pending.add(states[offset:offset + known],
+                pending.add(rows.hidden_states[taken].clone(),
                             torch.tensor(token_ids_cpu[i, start + 1:start + 1 + known], dtype=torch.long),
-                            None if entering is None else entering[offset:offset + known])
+                            torch.stack([state[taken] for state in rows.layer_states], 1) if reads_layers else None)
                 if pending.rows >= self.max_pending_rows:
                     due.append(req_id)
             offset += n
