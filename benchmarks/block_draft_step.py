@@ -54,6 +54,10 @@ if args.int8:
 
     for heads in (heads_old, heads_new):
         int8_linears(heads)
+    if hasattr(old, "_dense_weight"):  # an INT8 matrix holds its codes only: read their values the same way
+        import vllm_mtpspec.draft_block as this_tree  # noqa: E402
+
+        old._dense_weight = this_tree._dense_weight
 for heads in (heads_old, heads_new):  # the form the proposer drafts with, where a tree has one
     if hasattr(heads, "prepare_drafting"):
         heads.prepare_drafting(None if heads_new.draft_vocab is None else embed[heads_new.draft_vocab])

@@ -100,6 +100,14 @@ def test_an_int8_linear_multiplies_as_its_weight_does_within_int8s_error(shape):
     assert not torch.equal(y, exact)  # it really is the INT8 product
     rows = Int8Linear.from_weight(linear.weight)
     assert _close(rows(x), x @ linear.weight.detach().T, 0.03)
+    # Nothing of the floating-point weight is held: its shape and dtype answer, its values
+    # are the INT8 codes' (within half a step of each row's scale).
+    for made in (int8, rows):
+        assert made.weight.is_meta and made.weight.shape == linear.weight.shape
+        assert made.weight.dtype == linear.weight.dtype
+        assert not any(t.numel() and not t.is_meta for name, t in made.named_parameters() if name != "bias")
+        step = linear.weight.detach().abs().amax(1, keepdim=True) / 127
+        assert ((made.dense_weight() - linear.weight.detach()).abs() <= step / 2 + 1e-7).all()
 
 
 @pytest.mark.parametrize("kind", ["parallel", "sequential", "attention"])
@@ -154,6 +162,13 @@ def test_the_proposer_drafts_with_int8_matrices_when_asked(tiny_model, tiny_mode
     assert p.int8_drafts and p.draft_dtype == torch.float32
     assert isinstance(p._lm_head, Int8Linear)
     assert not any(type(m) is torch.nn.Linear for m in p.heads.modules())
+    # The INT8 copies are all that is held of the matrices and the LM head's rows, the
+    # block's drafting form (its side-by-side products) included.
+    int8 = [m for m in p.heads.modules() if isinstance(m, Int8Linear)] + [p._lm_head]
+    if kind == "attention":
+        form = p.heads._drafting
+        int8 += [form.qkv, form.gate_up, form.feature_fuse]
+    assert all(isinstance(m, Int8Linear) and m.weight.is_meta for m in int8)
 
 
 def test_an_int8_copy_of_an_int2_matrix_multiplies_as_its_codes_do():

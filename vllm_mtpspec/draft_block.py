@@ -37,6 +37,7 @@ from vllm_mtpspec.config import BlockConfig, HeadsConfig
 from vllm_mtpspec.heads import DraftModule
 from vllm_mtpspec.quant import Int2Linear, dequantize_int2
 from vllm_mtpspec.quant.int2 import stack_rows
+from vllm_mtpspec.quant.int8_dynamic import Int8Linear
 
 
 def _at_least_fp32(dtype: torch.dtype) -> torch.dtype:
@@ -465,8 +466,6 @@ def _side_by_side(linears: list[nn.Module], dtype: torch.dtype, columns: slice =
     """One product whose output is the linears' outputs side by side (over the given input
     columns of their weights): INT8 where they are; INT2 where they are and every column
     is read (a column slice of INT2 weights is held as the values its codes stand for)."""
-    from vllm_mtpspec.quant.int8_dynamic import Int8Linear
-
     if columns == slice(None) and all(isinstance(linear, Int2Linear) for linear in linears):
         return Int2Linear(stack_rows([linear.qweight for linear in linears]))
     weight = torch.cat([_dense_weight(linear, dtype)[:, columns] for linear in linears]).contiguous()
@@ -476,9 +475,11 @@ def _side_by_side(linears: list[nn.Module], dtype: torch.dtype, columns: slice =
 
 
 def _dense_weight(linear: nn.Module, dtype: torch.dtype) -> torch.Tensor:
-    """A matrix's weight [out, in] as values (an INT2 matrix's dequantized codes)."""
+    """A matrix's weight [out, in] as values (what an INT2 or INT8 matrix's codes stand for)."""
     if isinstance(linear, Int2Linear):
         return dequantize_int2(linear.qweight, dtype=dtype)
+    if isinstance(linear, Int8Linear):
+        return linear.dense_weight(dtype)
     return _in_dtype(linear.weight.detach(), dtype)
 
 

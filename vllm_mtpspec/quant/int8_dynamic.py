@@ -41,19 +41,26 @@ def _packed(weight: torch.Tensor, bias: torch.Tensor | None):
 
 
 class Int8Linear(nn.Linear):
-    """An nn.Linear that multiplies by an INT8 copy of its weight.
-
-    It keeps its floating-point weight and bias, unread while drafting, so that everything
-    that asks a layer for its shape, dtype or device gets the answer it always did."""
+    """An nn.Linear that multiplies by an INT8 copy of its weight and holds nothing else of
+    it: the floating-point weight it was made from is freed (the INT8 copy is a quarter of
+    fp32's bytes). `weight` stays, on the meta device, so that asking a layer for its shape
+    or dtype gets the answer it always did while reading its values fails loudly;
+    `dense_weight` gives the values the INT8 codes stand for."""
 
     @classmethod
     def from_linear(cls, linear: nn.Linear) -> "Int8Linear":
         out = cls.__new__(cls)
         nn.Module.__init__(out)
         out.in_features, out.out_features = linear.in_features, linear.out_features
-        out.weight, out.bias = linear.weight, linear.bias
         out._int8 = _packed(linear.weight, linear.bias)
+        out.weight = nn.Parameter(torch.empty_like(linear.weight, device="meta"), requires_grad=False)
+        out.bias = linear.bias
         return out
+
+    def dense_weight(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """[out, in]: each INT8 code times its row's scale."""
+        quantized, _ = torch.ops.quantized.linear_unpack(self._int8)
+        return quantized.dequantize().to(dtype)
 
     @classmethod
     def from_int2(cls, int2: "Int2Linear") -> "Int8Linear":
