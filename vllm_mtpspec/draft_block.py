@@ -339,9 +339,10 @@ class DraftBlock(DraftModule):
         outputs g [n_b, d], all requests in one pass. A draft is the same call on its
         chain's entries (no layer features), undone with `truncate` once the chain is
         drafted; `trim` drops what fell out of the window."""
+        lengths = [f.shape[0] for f in features]
         x = self.fused_inputs(torch.cat(features), torch.cat(token_embeds),
                               None if layer_features is None else torch.cat(layer_features))
-        return list(self._extend(caches, x, [f.shape[0] for f in features]).split([f.shape[0] for f in features]))
+        return list(self._extend(caches, x, lengths).split(lengths))
 
     def _extend(self, caches: list[BlockCache], x: torch.Tensor, lengths: list[int]) -> torch.Tensor:
         """extend_many from the fused inputs x [R, d]: each request's rows in turn, lengths[b]

@@ -59,8 +59,8 @@ class PendingRows:
             self.layer_states.append(layer_states)
         self.rows += states.shape[0]
 
-    def keep_first(self, rows: int) -> None:
-        """Forgets every row after the first `rows` (positions vLLM computes again)."""
+    def first(self, rows: int) -> "PendingRows":
+        """The first `rows` of them (the rest are positions vLLM computes again)."""
         kept = PendingRows()
         for i, states in enumerate(self.states):
             take = min(states.shape[0], rows - kept.rows)
@@ -68,8 +68,7 @@ class PendingRows:
                 break
             kept.add(states[:take], self.tokens[i][:take],
                      self.layer_states[i][:take] if self.layer_states else None)
-        self.states, self.tokens, self.layer_states, self.rows = (kept.states, kept.tokens, kept.layer_states,
-                                                                  kept.rows)
+        return kept
 
 
 class BlockContexts:
@@ -155,7 +154,7 @@ class BlockContexts:
             self.caches[req_id] = cache
         elif end > position:
             if position > cache.length:
-                pending.keep_first(position - cache.length)
+                self.pending[req_id] = pending.first(position - cache.length)
             else:
                 self.pending.pop(req_id, None)
             if position < cache.length:  # its newest output is of a position cut off
