@@ -508,7 +508,10 @@ def test_a_draft_blocks_caches_hold_every_accepted_position_and_nothing_else(mod
     cache_for, extend_many, draft_chains, forget = (BlockContexts._cache_ending_at, DraftBlock.extend_many,
                                                     DraftBlock.draft_chains, BlockContexts.forget)
 
+    contexts = set()  # the proposer's BlockContexts
+
     def recording_cache(self, req_id, position):
+        contexts.add(self)
         cache = cache_for(self, req_id, position)
         current[id(cache)] = req_id
         return cache
@@ -550,6 +553,8 @@ def test_a_draft_blocks_caches_hold_every_accepted_position_and_nothing_else(mod
     prefix_cached = not preempting
     # The same prompts again: their prefixes are cached now, so their caches begin past 0.
     again = greedy(llm) if prefix_cached else outputs
+    for held in contexts:  # rows the last requests still hold (no step after them forgot them)
+        held._run_pending(list(held.pending))
     metrics = spec_metrics(llm)
     preemptions = sum(m.value for m in llm.get_metrics() if m.name == "vllm:num_preemptions")
     prefix_hits = sum(m.value for m in llm.get_metrics() if m.name == "vllm:prefix_cache_hits")
