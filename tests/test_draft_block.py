@@ -384,6 +384,39 @@ def test_served_drafts_follow_the_same_chain_as_the_reference_drafter():
 
 
 @torch.no_grad()
+def test_after_a_tree_step_the_served_cache_takes_the_rows_of_the_accepted_path():
+    """A tree step's rows are the root and every node breadth-first; the accepted path's
+    are the root's and its nodes' (tree_paths), not the first rows after the root."""
+    import numpy as np
+
+    from vllm_mtpspec.drafter import BlockDrafter
+    from vllm_mtpspec.vllm.block_context import BlockContexts, ScheduledRows
+
+    block = make_block(num_heads=3).float()
+    features, embed, tokens = random_sequence(14)
+    features, embed = features.float(), embed.float()
+    lm_head = torch.randn(VOCAB, D)
+    model = SimpleModel(embed, lm_head)
+    contexts = BlockContexts(block, model.get_input_embeddings())
+    token_ids = np.zeros((1, 20), dtype=np.int64)
+    token_ids[0, :7] = tokens[:7].numpy()
+    contexts.update(["a"], ScheduledRows(hidden_states=features[:6], num_scheduled=[6], num_computed=[0]), [7],
+                    token_ids)
+    # The root at position 6 and five nodes; nodes 1 and 4 (rows 2 and 5) were accepted,
+    # then the bonus token: positions 7..9 now hold tokens 7..9.
+    step_rows = features[6:12]
+    token_ids[0, 7:10] = tokens[7:10].numpy()
+    contexts.update(["a"], ScheduledRows(hidden_states=step_rows, num_scheduled=[6], num_computed=[6]), [10],
+                    token_ids, tree_paths={0: [0, 2, 5]})
+    probs = contexts.chain_probs([0], ["a"], 3, lambda x: x @ lm_head.T, torch.ones(3), None)
+    drafter = BlockDrafter(block, model)
+    drafter.start()
+    drafter.observe(torch.cat([features[:6], step_rows[[0, 2]]]), tokens[1:9])
+    expected = drafter.head_logits(step_rows[5:6], tokens[9:10])[0]
+    torch.testing.assert_close(probs[0], torch.softmax(expected, -1))
+
+
+@torch.no_grad()
 def test_a_block_with_a_draft_vocabulary_drafts_the_whole_blocks_chain_among_its_tokens():
     """Each depth picks its top-1 among the kept tokens and the next depth reads that
     token's target id: the whole block, its logits masked to the kept tokens, drafts the
@@ -555,16 +588,140 @@ def test_rows_wait_for_a_draft_and_run_together_once_a_request_holds_enough():
     torch.testing.assert_close(probs, torch.softmax(expected.float(), -1).to(probs.dtype))
 
 
-def test_the_reference_decoder_refuses_a_tree_for_a_block(tiny_model, tiny_model_dir):
+@torch.no_grad()
+def test_the_held_out_replay_grows_at_every_answer_row_the_tree_a_drafter_fed_up_to_it_grows(monkeypatch):
+    """training.evaluate.block_grown_trees_along against the reference drafter fed the
+    shard's rows up to each answer row: the same trees, path probabilities included."""
+    import training.evaluate
+    from training.evaluate import block_grown_trees_along
+    from vllm_mtpspec.drafter import BlockDrafter
+    from vllm_mtpspec.grown_tree import grow_trees
+
+    block = make_block(num_heads=3).float()
+    features, embed, tokens = random_sequence(16)
+    features, embed = features.float(), embed.float()
+    lm_head = 3 * torch.randn(VOCAB, D, generator=torch.Generator().manual_seed(2))
+    model = SimpleModel(embed, lm_head)
+    # Rows 0..7 are the prompt's (they produced prompt tokens 1..8), rows 8..15 the answer's.
+    prompt, answer = tokens[:9], tokens[9:17]
+    shard = {"prompt_ids": [prompt.tolist()], "offsets": torch.tensor([0, 8]), "tokens": answer,
+             "hidden": features[8:], "context_hidden": features[:8], "context_offsets": torch.tensor([0, 8])}
+    replayed = []
+
+    def recording(*args, **kwargs):
+        trees = grow_trees(*args, **kwargs)
+        replayed.extend(trees)
+        return trees
+    monkeypatch.setattr(training.evaluate, "grow_trees", recording)
+    tree = dict(max_nodes=10, top_k=3, min_path_prob=0.0)
+    paths = block_grown_trees_along(block, shard, 0, lambda g: g @ lm_head.T, embed, chunk=3, **tree)
+    assert len(paths) == len(replayed) == 8
+    for r in range(8):
+        q = 8 + r
+        drafter = BlockDrafter(block, model)
+        drafter.start()
+        drafter.observe(features[:q], tokens[1:q + 1])
+        expected, = grow_trees(drafter.draft_step(), features[q:q + 1], tokens[q + 1:q + 2], depth=3, **tree)
+        assert replayed[r].shape == expected.shape and len(expected.shape) == 10
+        assert replayed[r].tokens.tolist() == expected.tokens.tolist() and paths[r][1] == expected.tokens.tolist()
+        assert replayed[r].path_probs == pytest.approx(expected.path_probs, rel=1e-4)
+
+
+def test_the_reference_decoder_refuses_a_fixed_tree_shape_for_a_block(tiny_model, tiny_model_dir):
     from vllm_mtpspec.config import SpecOptions
     from vllm_mtpspec.drafter import BlockDrafter
     from vllm_mtpspec.heads_init import init_draft_block
     from vllm_mtpspec.reference import ReferenceDecoder
 
     block = init_draft_block(tiny_model, tiny_model_dir, num_heads=2)
-    with pytest.raises(ConfigError, match=r"tree='dynamic': head_kind='attention' drafts chains only so far; "
-                                          r"use tree='chain'$"):
-        ReferenceDecoder(tiny_model, BlockDrafter(block, tiny_model), SpecOptions(tree="dynamic"))
+    with pytest.raises(ConfigError, match=r"tree='consensus': head_kind='attention' drafts chains and dynamic trees "
+                                          r"only .*; use tree='chain' or tree='dynamic'$"):
+        ReferenceDecoder(tiny_model, BlockDrafter(block, tiny_model), SpecOptions(tree="consensus"))
+
+
+@torch.no_grad()
+def test_reference_decoding_with_the_trained_block_growing_trees_is_lossless(smollm2_fp32):
+    """The shipped-format trained block (reading layers 2, 15 and 27) grows dynamic trees
+    on the real SmolLM2: the output is the model's own, trees of several branches are
+    verified, and the block's cache ends holding exactly the accepted positions."""
+    from pathlib import Path
+
+    from vllm_mtpspec.config import SpecOptions
+    from vllm_mtpspec.drafter import drafter_for
+    from vllm_mtpspec.prompts import apply_chat_template
+    from vllm_mtpspec.reference import ReferenceDecoder, plain_greedy
+
+    model, tokenizer = smollm2_fp32.model, smollm2_fp32.tokenizer
+    text = "Write a Python function that returns the squares of the even numbers in a list."
+    prompt = tokenizer.encode(apply_chat_template(tokenizer, text), add_special_tokens=False)
+    expected = plain_greedy(model, prompt, max_new_tokens=48, eos_token_ids=set())
+    block = load_heads(Path(__file__).parent.parent / "data" / "heads" / "smollm2-135m-instruct-block-v2-layers")
+    drafter = drafter_for(block, model)
+    options = SpecOptions(tree="dynamic", max_tree_nodes=12, dynamic_top_k=3, min_path_prob=0.0,
+                          prompt_lookup_max=0)
+    result = ReferenceDecoder(model, drafter, options).decode(prompt, max_new_tokens=48)
+    assert result.tokens == expected
+    assert all(step.num_nodes == 12 for step in result.steps[:-1])  # trees, not chains of 4
+    assert sum(step.accepted_len for step in result.steps) / len(result.steps) > 2.0  # a trained block's trees
+    assert drafter.cache.length == len(prompt) + sum(step.accepted_len for step in result.steps) - 1
+
+
+def path_probability(block, cache, newest, entries, target_ids, project, embed, temperatures):
+    """A node's path probability as the chain through it computes it: depth 1 from
+    newest, each deeper depth from the block's entry for the token before (extend), every
+    entry cut off again. entries: the path's tokens as indices of project's outputs;
+    target_ids: the same tokens as the target's ids (what the next depth embeds)."""
+    end, g, p = cache.length, newest, 1.0
+    for j, (entry, token) in enumerate(zip(entries, target_ids)):
+        p *= float(torch.softmax(project(g).double() / temperatures[j], -1)[entry])
+        if j + 1 < len(entries):
+            g = block.extend(cache, g[None], embed(torch.tensor([token])))[-1]
+    block.truncate(cache, end)
+    return p
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("window", [1024, 9], ids=["whole context", "window shorter than the context"])
+@pytest.mark.parametrize("drafting_form", [False, True], ids=["separate weights", "drafting form, draft vocab"])
+def test_every_node_of_a_grown_block_tree_is_the_chain_through_it(window, drafting_form):
+    """A tree grown by the block (tree_step, three requests together, each node's
+    children from its own output and its own path's entries): every node's path
+    probability is the product along the chain through it drafted alone, so no node reads
+    a sibling's entry, another request's, or a position off by one; the caches end as
+    they began."""
+    from vllm_mtpspec.grown_tree import grow_trees
+
+    block = make_block(num_heads=4, window=window)
+    features, embed_table, tokens = random_sequence(16)
+    lm_head = torch.randn(VOCAB, D, dtype=torch.float64, generator=torch.Generator().manual_seed(2)) * 3
+    ids = torch.randperm(VOCAB, generator=torch.Generator().manual_seed(5))[:20] if drafting_form else None
+    rows = lm_head if ids is None else lm_head[ids]
+    project = lambda g: g @ rows.T  # noqa: E731
+    embed = lambda t: embed_table[t]  # noqa: E731
+    temperatures = torch.tensor([1.0, 0.7, 1.3, 1.0], dtype=torch.float64)
+    caches, newest = [], []
+    for length in (7, 12, 16):
+        cache = block.empty_cache(dtype=torch.float64)
+        newest.append(block.extend(cache, features[:length], embed(tokens[:length]))[-1])
+        caches.append(cache)
+    newest = torch.stack(newest)
+    if drafting_form:
+        block.prepare_drafting(embed(ids))
+    step = block.tree_step(caches, project, embed, temperatures, ids)
+    trees = grow_trees(step, newest, torch.zeros(3, dtype=torch.long), depth=4, max_nodes=40, top_k=3,
+                       min_path_prob=0.0, token_ids=ids)
+    assert [(c.length, c.size) for c in caches] == [(7, 7), (12, 12), (16, 16)]
+    block._drafting = None  # the chains below through the separate weights
+    to_entry = {int(t): e for e, t in enumerate(ids)} if drafting_form else None
+    for b, tree in enumerate(trees):
+        assert tree.shape.max_depth == 4 and len(tree.shape) == 3 + 9 + 9 + 9  # every node grown
+        node_tokens = tree.tokens.tolist()
+        for node, path in enumerate(tree.shape.paths):
+            path_tokens = [node_tokens[tree.shape.paths.index(path[:n])] for n in range(1, len(path) + 1)]
+            entries = path_tokens if to_entry is None else [to_entry[t] for t in path_tokens]
+            expected = path_probability(block, caches[b], newest[b], entries, path_tokens, project, embed,
+                                        temperatures)
+            assert tree.path_probs[node] == pytest.approx(expected, rel=1e-5), (b, path)  # grown in fp32
 
 
 class SimpleModel:

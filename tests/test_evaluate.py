@@ -109,3 +109,65 @@ def test_replayed_grown_trees_accept_what_the_reference_decoder_accepts(tmp_path
     assert replayed[:-1] == decoded_lengths[:len(replayed) - 1]
     assert report["mean_accepted_len"]["dynamic"] == pytest.approx(sum(replayed) / len(replayed), abs=1e-4)
     assert max(decoded_lengths) > 1  # some drafts were kept: the comparison is not of empty trees
+
+
+def test_replayed_block_trees_accept_what_the_reference_decoder_accepts(tmp_path, tiny_model, tiny_model_dir,
+                                                                        monkeypatch):
+    """An attention draft block's dynamic trees, replayed along the model's own greedy
+    answer from its recorded states (the prompt's rows before it), are the trees decoding
+    grows step by step, path probabilities included, and accept what they accept."""
+    import training.evaluate
+    import vllm_mtpspec.grown_tree
+    from training.data import write_shard
+    from training.evaluate import block_grown_trees_along, evaluate_heads, replay_trees
+    from vllm_mtpspec.config import SpecOptions
+    from vllm_mtpspec.drafter import BlockDrafter
+    from vllm_mtpspec.heads_init import init_draft_block
+    from vllm_mtpspec.reference import ReferenceDecoder
+
+    block = init_draft_block(tiny_model, tiny_model_dir, num_heads=3).float().eval()
+    with torch.no_grad():  # sure enough of its drafts (the tiny model's repeated token) to pass min_path_prob
+        block.temperatures.fill_(0.2)
+    grown, original = {"decoding": [], "replay": []}, vllm_mtpspec.grown_tree.grow_trees
+
+    def recording(into):
+        def grow(*args, **kwargs):
+            trees = original(*args, **kwargs)
+            grown[into].extend(trees)
+            return trees
+        return grow
+    monkeypatch.setattr(vllm_mtpspec.grown_tree, "grow_trees", recording("decoding"))
+    prompt = [3, 99, 100, 101, 7, 8, 200, 13]
+    options = SpecOptions(tree="dynamic", max_tree_nodes=6, prompt_lookup_max=0)  # evaluate_heads' defaults
+    decoded = ReferenceDecoder(tiny_model, BlockDrafter(block, tiny_model), options).decode(prompt, max_new_tokens=48)
+    answer = decoded.tokens
+    # Row p: the state at position p, which produced token p + 1 (the shards' layout).
+    hidden = tiny_model.model(torch.tensor([prompt + answer])).last_hidden_state[0].detach().float()
+    first = len(prompt) - 1
+    shard = {"ids": ["a"], "categories": ["general"], "prompt_ids": [prompt],
+             "offsets": torch.tensor([0, len(answer)]), "tokens": torch.tensor(answer),
+             "hidden": hidden[first:first + len(answer)],
+             "context_hidden": hidden[:first], "context_offsets": torch.tensor([0, first])}
+    write_shard(tmp_path, 0, shard)
+    embed = tiny_model.get_input_embeddings().weight.detach()
+    lm_head = tiny_model.get_output_embeddings().weight.detach()
+    report = evaluate_heads(block, sorted(tmp_path.glob("shard-*.pt")), lm_head=lm_head, embed=embed,
+                            max_tree_nodes=6, prompt_lookup=None)
+    assert set(report["mean_accepted_len"]) == {"chain", "dynamic"} and report["tree_nodes"]["dynamic"] == 6
+    monkeypatch.setattr(training.evaluate, "grow_trees", recording("replay"))
+    trees = block_grown_trees_along(block, shard, 0, block.lm_head_for(lm_head), embed, max_nodes=6,
+                                    top_k=options.dynamic_top_k, min_path_prob=options.min_path_prob)
+    row = 0  # the answer row each decoding step drafted from
+    for tree, step in zip(grown["decoding"], decoded.steps):
+        if row < len(answer):
+            replayed_tree = grown["replay"][row]
+            assert replayed_tree.shape == tree.shape and replayed_tree.tokens.tolist() == tree.tokens.tolist()
+            assert replayed_tree.path_probs == pytest.approx(tree.path_probs, rel=1e-4, abs=1e-6)
+        row += step.accepted_len
+    replayed = replay_trees(trees.__getitem__, torch.tensor(answer))
+    decoded_lengths = [step.accepted_len for step in decoded.steps]
+    # The replay stops where the answer does: the decoder's last step may run past it.
+    assert replayed[:-1] == decoded_lengths[:len(replayed) - 1]
+    assert report["mean_accepted_len"]["dynamic"] == pytest.approx(sum(replayed) / len(replayed), abs=1e-4)
+    # Drafts were kept, from trees of several depths (their branching is checked in test_draft_block.py).
+    assert max(decoded_lengths) > 2 and max(len(paths) for paths, _ in trees) >= 3

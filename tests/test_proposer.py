@@ -90,7 +90,7 @@ def test_a_tree_requests_next_draft_reads_its_last_accepted_nodes_row(make_propo
     hidden = torch.randn(1 + 8, model.config.hidden_size)
     # The request carried 8 tree nodes; nodes 1 and 4 were accepted: its bonus token came
     # from node 4's row, row 5 of the request (row 0 is the root).
-    p.capture_step(hidden, SimpleNamespace(num_draft_tokens=[8]), ["a"], tree_rows={0: 5})
+    p.capture_step(hidden, SimpleNamespace(num_draft_tokens=[8]), ["a"], tree_paths={0: [0, 2, 5]})
     drafts = p.propose([[21, 22, 23]])
     p.capture_step(hidden[5:6], None, ["a"])
     assert drafts == p.propose([[23]])

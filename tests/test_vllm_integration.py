@@ -485,7 +485,8 @@ def test_an_int2_draft_block_drafts_and_keeps_greedy_output_unchanged(model_dir,
 
 
 @pytest.mark.parametrize("engine", ["chunked+prefix-cache, block reading layers", "preempting",
-                                    "preempting, block reading layers"])
+                                    "preempting, block reading layers",
+                                    "chunked+prefix-cache, trained block growing trees"])
 def test_a_draft_blocks_caches_hold_every_accepted_position_and_nothing_else(model_dir, random_block_dir,
                                                                              random_layer_block_dir, baseline,
                                                                              monkeypatch, engine):
@@ -493,7 +494,8 @@ def test_a_draft_blocks_caches_hold_every_accepted_position_and_nothing_else(mod
     token that state produced (with, for a block that reads target layers, the states
     entering those layers there), and every position of a request from where its cache
     began (after a prefix-cache hit) to its end is there exactly once, through chunked
-    prefill, rejected drafts and preemption."""
+    prefill, rejected drafts and preemption, and on dynamic trees, where a step's accepted
+    rows are its path's nodes among every node's."""
     import torch
 
     from vllm_mtpspec.draft_block import DraftBlock
@@ -501,12 +503,17 @@ def test_a_draft_blocks_caches_hold_every_accepted_position_and_nothing_else(mod
     from vllm_mtpspec.target import load_target
     from vllm_mtpspec.vllm.block_context import BlockContexts
 
-    reads_layers = "reading layers" in engine
-    block_dir = random_layer_block_dir if reads_layers else random_block_dir
+    trees = "growing trees" in engine
+    reads_layers = "reading layers" in engine or trees
+    # A trained block, so that trees keep nodes off their first branch.
+    block_dir = TRAINED_BLOCK if trees else random_layer_block_dir if reads_layers else random_block_dir
+    layers_read = json.loads((Path(block_dir) / "config.json").read_text())["block"]["feature_layers"]
     taken = []  # (request, first position, states, token embeddings, layer states) of entries kept
     current, drafting = {}, []
-    cache_for, extend_many, draft_chains, forget = (BlockContexts._cache_ending_at, DraftBlock.extend_many,
-                                                    DraftBlock.draft_chains, BlockContexts.forget)
+    cache_for, extend_many, draft_chains, forget, update = (BlockContexts._cache_ending_at, DraftBlock.extend_many,
+                                                            DraftBlock.draft_chains, BlockContexts.forget,
+                                                            BlockContexts.update)
+    branching_paths = []  # accepted tree paths whose rows are not the first after the root
 
     contexts = set()  # the proposer's BlockContexts
 
@@ -535,6 +542,10 @@ def test_a_draft_blocks_caches_hold_every_accepted_position_and_nothing_else(mod
         if self.pending.get(req_id) and req_id in self.caches:
             self._run_pending([req_id])
         forget(self, req_id)
+    def recording_update(self, req_ids, rows, num_tokens_no_spec, token_ids_cpu, tree_paths=None):
+        branching_paths.extend(p for p in (tree_paths or {}).values() if p != list(range(len(p))))
+        return update(self, req_ids, rows, num_tokens_no_spec, token_ids_cpu, tree_paths)
+    monkeypatch.setattr(BlockContexts, "update", recording_update)
     monkeypatch.setattr(BlockContexts, "_cache_ending_at", recording_cache)
     monkeypatch.setattr(BlockContexts, "forget", running_then_forgetting)
     monkeypatch.setattr(DraftBlock, "extend_many", recording_extend)
@@ -546,8 +557,10 @@ def test_a_draft_blocks_caches_hold_every_accepted_position_and_nothing_else(mod
               {**ENGINE, "max_model_len": 256, "kv_cache_memory_bytes": 16 << 20, "block_size": 32})
     from vllm import LLM
 
-    llm = LLM(str(model_dir), **config, speculative_config={"method": "mtpspec", "model": str(block_dir),
-                                                            "num_speculative_tokens": 3})
+    spec = {"method": "mtpspec", "model": str(block_dir), "num_speculative_tokens": 3}
+    if trees:
+        spec.update(tree="dynamic", max_tree_nodes=8, min_path_prob=0.0)
+    llm = LLM(str(model_dir), **config, speculative_config=spec)
     prompts = chat_prompts(llm)
     outputs = greedy(llm)
     prefix_cached = not preempting
@@ -562,6 +575,7 @@ def test_a_draft_blocks_caches_hold_every_accepted_position_and_nothing_else(mod
     assert outputs == baseline and again == baseline
     assert metrics["vllm:spec_decode_num_accepted_tokens"] > 0  # steps that kept several rows
     assert (preemptions > 0) == preempting
+    assert bool(branching_paths) == trees, branching_paths
     assert prefix_hits > 0 or not prefix_cached
     target = load_target(str(model_dir), dtype="fp32")
     embed = target.model.get_input_embeddings().weight
@@ -582,18 +596,25 @@ def test_a_draft_blocks_caches_hold_every_accepted_position_and_nothing_else(mod
         produced = [t for _, _, tokens, _ in entries for t in tokens]
         first = positions[0]
         began_past_0 += first > 0
-        matches = [s for s in sequences if s[first + 1:first + 1 + len(produced)] == produced]
+        # A request that stops on a token it accepted as a draft: vLLM drops what that step
+        # emitted after it, and the block took those rows already (it forgets the request at
+        # the next step). At most the step's drafts lie past the end.
+        def past_end(sequence):
+            return len(produced) - (len(sequence) - 1 - first)
+        matches = [s for s in sequences if 0 <= past_end(s) <= spec["num_speculative_tokens"] and
+                   s[first + 1:] == produced[:len(produced) - past_end(s)]]
         assert len(matches) == 1, "the tokens beside the states are one request's own, in order"
         sequence = matches[0]
-        assert positions == list(range(first, len(sequence) - 1))  # each position once, up to the end
+        assert positions == list(range(first, len(sequence) - 1 + past_end(sequence)))  # each once, to the end
         decoder = target.model.get_decoder()
-        with torch.no_grad(), recording_layer_inputs(decoder, LAYERS_READ if reads_layers else []) as entering:
+        with torch.no_grad(), recording_layer_inputs(decoder, layers_read) as entering:
             states = decoder(input_ids=torch.tensor([sequence])).last_hidden_state[0]
-        recorded = torch.cat([s for _, s, _, _ in entries]).float()
+        kept = len(sequence) - 1 - first
+        recorded = torch.cat([s for _, s, _, _ in entries]).float()[:kept]
         torch.testing.assert_close(recorded, states[first:len(sequence) - 1], atol=2e-3, rtol=2e-3)
         if reads_layers:
-            recorded_layers = torch.cat([layers for *_, layers in entries]).float()
-            expected_layers = torch.stack([entering[layer] for layer in LAYERS_READ], 1)[first:len(sequence) - 1]
+            recorded_layers = torch.cat([layers for *_, layers in entries]).float()[:kept]
+            expected_layers = torch.stack([entering[layer] for layer in layers_read], 1)[first:len(sequence) - 1]
             torch.testing.assert_close(recorded_layers, expected_layers, atol=2e-3, rtol=2e-3)
         else:
             assert all(layers is None for *_, layers in entries)
@@ -635,8 +656,8 @@ def test_finished_and_aborted_requests_leave_nothing_in_the_proposer(model_dir, 
     assert after == []
 
 
-def test_a_draft_block_with_a_tree_is_refused_at_start_up(model_dir, random_block_dir):
-    with pytest.raises(Exception, match="head_kind='attention' drafts chains only so far.*tree='consensus'"):
+def test_a_draft_block_with_a_fixed_tree_shape_is_refused_at_start_up(model_dir, random_block_dir):
+    with pytest.raises(Exception, match="head_kind='attention' drafts chains and dynamic trees only.*tree='consensus'"):
         build(model_dir, speculative_config={"method": "mtpspec", "model": str(random_block_dir), "tree": "consensus"})
 
 

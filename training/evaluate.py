@@ -162,12 +162,38 @@ def grown_trees_along(heads, hidden: torch.Tensor, tokens: torch.Tensor, project
 
 
 @torch.no_grad()
+def block_grown_trees_along(block, shard: dict, j: int, project, embed: torch.Tensor, *, max_nodes: int, top_k: int,
+                            min_path_prob: float, chunk: int = 256) -> list[tuple]:
+    """grown_trees_along for an attention draft block: at every row of answer j, the tree
+    it grows from a cache of the rows up to that one (the prompt rows kept before the
+    answer, then the answer's), as serving grows it (DraftBlock.tree_step)."""
+    from training.examples import answer_sequence
+    from vllm_mtpspec.draft_block import BlockCache
+
+    seq = answer_sequence(shard, j, block.feature_layers)
+    cache = block.empty_cache(dtype=torch.float32)
+    cache.start = int(seq["positions"][0])
+    newest = block.extend(cache, seq["features"], embed[seq["tokens"]], seq.get("layer_features"))
+    out = []
+    for start in range(seq["first_answer_row"], newest.shape[0], chunk):
+        rows = range(start, min(start + chunk, newest.shape[0]))
+        # Row q's cache: the entries up to its own, views of the whole one.
+        caches = [BlockCache(cache.keys, cache.values, cache.start, q + 1, cache.offset) for q in rows]
+        step = block.tree_step(caches, project, lambda ids: embed[ids], block.temperatures, block.draft_vocab)
+        for tree in grow_trees(step, newest[rows.start:rows.stop], torch.zeros(len(rows), dtype=torch.long),
+                               depth=block.num_heads, max_nodes=max_nodes, top_k=top_k, min_path_prob=min_path_prob,
+                               token_ids=block.draft_vocab):
+            out.append((tree.shape.paths, tree.tokens.tolist()))
+    return out
+
+
+@torch.no_grad()
 def evaluate_heads(heads, shard_files: list[Path], *, lm_head: torch.Tensor, embed: torch.Tensor,
                    trees: tuple[str, ...] = ("chain", "consensus"), max_tree_nodes: int = 16,
                    fit_temperatures: bool = False, temperature_rows: int = 8192,
                    prompt_lookup: tuple[int, int] | None = (2, 4)) -> dict:
     """prompt_lookup: (min_n, max_n) to also replay `chain+lookup` (lookup.py), or None.
-    Heads that grow their own trees (sequential) replay a grown dynamic tree of
+    Heads that grow their own trees (sequential, attention) replay a grown dynamic tree of
     max_tree_nodes nodes (`dynamic`) where a fixed-shape tree is asked."""
     heads = heads.float().eval()
     project = heads.lm_head_for(lm_head)
@@ -254,9 +280,10 @@ def evaluate_heads(heads, shard_files: list[Path], *, lm_head: torch.Tensor, emb
                     lengths = replay_tree(shape, node_tokens, tokens, lookup)
                     record("chain+lookup", lengths, category, bucket, source)
             if grown:
-                grown_trees = grown_trees_along(heads, shard["hidden"][start:end], tokens, project, embed,
-                                                max_nodes=max_tree_nodes, top_k=defaults.dynamic_top_k,
-                                                min_path_prob=defaults.min_path_prob)
+                tree = dict(max_nodes=max_tree_nodes, top_k=defaults.dynamic_top_k, min_path_prob=defaults.min_path_prob)
+                grown_trees = (block_grown_trees_along(heads, shard, j, project, embed, **tree)
+                               if heads.config.head_kind == "attention" else
+                               grown_trees_along(heads, shard["hidden"][start:end], tokens, project, embed, **tree))
                 lengths = replay_trees(grown_trees.__getitem__, tokens)
                 record("dynamic", lengths, category, bucket, source)
     rank_accuracy = (hits / rows.clamp_min(1)[:, None])

@@ -390,7 +390,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--kind", choices=HEAD_KINDS, default="parallel",
                    help="'parallel': one MLP head per depth on h_t (and the sampled token); 'sequential': one "
                         "MLP per depth on the depth before's state and the token drafted from it (needs --head-input "
-                        "hidden+token; drafts chains only); 'attention': one transformer block shaped like the "
+                        "hidden+token; drafts chains and dynamic trees); 'attention': one transformer block shaped like the "
                         "model's layers that attends over the context and is applied again for each deeper draft "
                         "(--head-input, --mlp-size and --init-std are the MLP heads' own)")
     p.add_argument("--feature-layers", type=parse_layer_list, default=[],

@@ -19,10 +19,11 @@ HEAD_INPUTS = ("hidden", "hidden+token")
 # applied recursively on its own output for deeper drafts (draft_block.py).
 HEAD_KINDS = ("parallel", "sequential", "attention")
 # Kinds whose deeper drafts read the shallower ones' tokens: each node of a tree needs its
-# own deeper states, so no fixed-shape tree applies. Sequential heads grow dynamic trees
-# depth by depth (grown_tree.py); an attention block drafts chains only.
+# own deeper states, so no fixed-shape tree applies. Both grow dynamic trees depth by
+# depth (grown_tree.py): sequential heads from each node's state and token, the attention
+# block from each node's output and its path's entries.
 CHAIN_ONLY_HEAD_KINDS = ("sequential", "attention")
-GROWN_TREE_HEAD_KINDS = ("sequential",)
+GROWN_TREE_HEAD_KINDS = CHAIN_ONLY_HEAD_KINDS
 TREE_PRESETS = ("chain", "consensus", "static", "dynamic")
 DRAFT_SIZES = ("fixed", "learned", "planned")
 PACE_COHORTS = ("never", "sampled", "always")
@@ -202,13 +203,10 @@ class HeadsConfig:
 
     def tree_refusal(self, tree: str) -> str | None:
         """Why these heads cannot draft the tree preset `tree` (None: they can)."""
-        if tree == "chain" or not self.chains_only:
+        if tree in ("chain", "dynamic") or not self.chains_only:
             return None
-        if self.grows_trees:
-            return None if tree == "dynamic" else (
-                f"head_kind={self.head_kind!r} drafts chains and dynamic trees only (its deeper drafts read the "
+        return (f"head_kind={self.head_kind!r} drafts chains and dynamic trees only (its deeper drafts read the "
                 "shallower ones' tokens, so each node's children come from a draft step of its own)")
-        return f"head_kind={self.head_kind!r} drafts chains only so far"
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

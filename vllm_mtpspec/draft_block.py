@@ -14,6 +14,9 @@ this mask to every position at once (`unrolled`, with the answer's own tokens as
 drafts of a chain that is still right); drafting caches the context's keys and values
 per request (`BlockCache`): entries of accepted tokens only, so a rejected draft leaves
 nothing behind (a chain's own entries are appended while it is drafted, then cut off).
+A dynamic tree (`tree_step`) is grown the same way: each node's query sees the context's
+entries and its own path's, which travel with the node's state instead of entering the
+cache.
 
 With block.feature_layers (EAGLE-3), the entries of the context also read the states
 entering those target layers: u_p += W_l [norm_1(a1_p); ...; norm_n(an_p)]. The chain's
@@ -452,6 +455,80 @@ class DraftBlock(DraftModule):
         for cache, end in zip(caches, ends):
             self.truncate(cache, end)
         return torch.stack(logits, 1)
+
+    def tree_step(self, caches: list[BlockCache], project, embed, temperatures: torch.Tensor,
+                  draft_ids: torch.Tensor | None = None):
+        """The step a grown tree takes per depth (grown_tree.py) for the requests of these
+        caches, each drafted from its newest accepted position: step 0 is given the block's
+        outputs there (`newest` [B, d]); step i > 0 the states of depth i's nodes (F per
+        request) and their tokens (target ids). A node at depth i enters the block at
+        position p + i, as a chain's depth-i token does, and its query sees the context's
+        entries and its own path's, never a sibling's: what `draft_chains` computes for
+        the chain through it. Its state is its output g followed by its path's keys and
+        values ([g | keys | values], one row), so the frontier's gather carries each
+        node's path along. The caches are only read."""
+        cfg = self.block_config
+        d, entry = self.config.hidden_size, cfg.kv_heads * cfg.head_dim
+        drafting = self._drafting
+        token_inputs = None if drafting is None else drafting.token_inputs
+        draft_index = None
+        if token_inputs is not None:  # target id -> its row of the token table
+            if draft_ids is None or draft_ids.shape[0] != token_inputs.shape[0]:
+                raise ValueError(f"prepare_drafting was given the embeddings of {token_inputs.shape[0]} draft "
+                                 "tokens, and tree_step a different draft vocabulary")
+            # Sized by the config, not by the ids' largest (reading that would wait for the device).
+            draft_index = torch.zeros(self.config.vocab_size, dtype=torch.long, device=draft_ids.device)
+            draft_index[draft_ids] = torch.arange(draft_ids.shape[0], device=draft_ids.device)
+        batch = len(caches)
+
+        def probs(i: int, g: torch.Tensor) -> torch.Tensor:
+            return torch.softmax(project(g).float() / temperatures[i], dim=-1)
+
+        def step(i: int, states: torch.Tensor, tokens: torch.Tensor):
+            if i == 0:
+                return states, probs(0, states)
+            nodes = states.shape[0] // batch                                              # F per request
+            g = states[:, :d]
+            if token_inputs is not None:
+                x = drafting.feature_fuse(self.feature_norm(_in_dtype(g, token_inputs.dtype)))
+                x = x + token_inputs[draft_index[tokens]]
+            else:
+                x = self.fused_inputs(g, embed(tokens))
+            positions = torch.tensor([c.length + i - 1 for c in caches], device=x.device)[:, None].expand(batch, nodes)
+            q, k, v = self._qkv(x.view(batch, nodes, d), positions, None if drafting is None else drafting.qkv)
+            # Each node's path entries [B, F, i, KV, hd]: its ancestors' (from its state), then its own.
+            own_k, own_v = (t.transpose(1, 2)[:, :, None] for t in (k, v))                 # [B, F, 1, KV, hd]
+            path_shape = (batch, nodes, i - 1, cfg.kv_heads, cfg.head_dim)
+            path_k = torch.cat([states[:, d:d + (i - 1) * entry].reshape(path_shape), own_k], 2)
+            path_v = torch.cat([states[:, d + (i - 1) * entry:].reshape(path_shape), own_v], 2)
+            attended = self._attend_paths(q, caches, path_k, path_v, i)
+            g = self._finish(x.view(batch, nodes, d), attended, None if drafting is None else drafting.gate_up)
+            g = g.reshape(batch * nodes, d)
+            carried = torch.cat([g, path_k.reshape(batch * nodes, -1), path_v.reshape(batch * nodes, -1)], -1)
+            return carried, probs(i, g)
+
+        return step
+
+    def _attend_paths(self, q: torch.Tensor, caches: list[BlockCache], path_k: torch.Tensor, path_v: torch.Tensor,
+                      i: int) -> torch.Tensor:
+        """q [B, H, F, hd] of F nodes per request at depth i, whose queries sit at position
+        p + i; path_k, path_v [B, F, i, KV, hd]: each node's path entries -> [B, H, F, hd].
+        One call per request over its context's visible entries and every node's path
+        entries, each node masked to its own path's."""
+        cfg = self.block_config
+        batch, _, nodes, _ = q.shape
+        own = torch.eye(nodes, dtype=torch.bool, device=q.device).repeat_interleave(i, dim=1)  # [F, F * i]
+        attended = []
+        for b, cache in enumerate(caches):
+            # The query at p + i sees keys after p + i - window; p + 1 .. p + i are its path's.
+            first = max(0, cache.size + i - cfg.window)
+            context_k, context_v = cache.held(first)                                       # [KV, L, hd]
+            keys = torch.cat([context_k, path_k[b].reshape(nodes * i, cfg.kv_heads, -1).transpose(0, 1)], 1)
+            values = torch.cat([context_v, path_v[b].reshape(nodes * i, cfg.kv_heads, -1).transpose(0, 1)], 1)
+            seen = torch.cat([own.new_ones(nodes, context_k.shape[1]), own], 1)
+            attended.append(F.scaled_dot_product_attention(q[b:b + 1], keys[None], values[None], attn_mask=seen,
+                                                           enable_gqa=True))
+        return torch.cat(attended)
 
 
 @dataclass

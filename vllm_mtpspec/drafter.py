@@ -60,7 +60,8 @@ class HeadsDrafter:
 class BlockDrafter:
     """An attention draft block over a Hugging Face causal LM, one sequence at a time: its
     cache holds the entries of accepted positions; each draft runs the block depth by
-    depth along its own top-1 chain (deeper logits are those of that chain)."""
+    depth along its own top-1 chain (deeper logits are those of that chain), or grows a
+    dynamic tree (draft_step)."""
 
     def __init__(self, block, model) -> None:
         self.block = block
@@ -75,6 +76,33 @@ class BlockDrafter:
 
     def start(self) -> None:
         self.cache = self.block.empty_cache()
+
+    @property
+    def grows_trees(self) -> bool:
+        """Whether its dynamic trees are grown from draft_step (grown_tree.py)."""
+        return self.config.grows_trees
+
+    @property
+    def draft_ids(self) -> torch.Tensor | None:
+        return self.block.draft_vocab
+
+    def draft_step(self):
+        """The per-depth draft step of a grown tree: step 0 is given the root's row (the
+        state that produced the root token, and the root), which enters the cache as it
+        does before a chain; deeper steps are the block's (DraftBlock.tree_step)."""
+        grown = None
+
+        def step(i: int, states: torch.Tensor, tokens: torch.Tensor):
+            nonlocal grown
+            if i == 0:
+                newest = self._extend(states, tokens)[-1:]
+                self.block.trim(self.cache)
+                grown = self.block.tree_step([self.cache], self._project, self._embed, self.temperatures,
+                                             self.block.draft_vocab)
+                states = newest
+            return grown(i, states, tokens)
+
+        return step
 
     def _extend(self, rows: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
         states, layers = split_layer_states(rows, self.block.config.hidden_size)

@@ -1,5 +1,5 @@
 """Dynamic trees grown depth by depth, for heads whose deeper drafts read their own
-earlier guesses (sequential heads).
+earlier guesses (sequential heads, the attention draft block).
 
 Parallel heads give every depth's candidates at once, so a tree is any choice among them
 (tree.py). A sequential head's candidates at depth i depend on which token stands before
@@ -26,9 +26,11 @@ import torch
 
 from vllm_mtpspec.tree import DynamicTree, tree_from_paths
 
-# (depth index i, states [n, d] of the nodes at depth i, their tokens [n] as target ids)
-#   -> (the states [n, d] that guess the next token, its probabilities [n, N] over the
-#       draft entries, temperature-scaled)
+# (depth index i, states [n, w] of the nodes at depth i, their tokens [n] as target ids)
+#   -> (the states [n, w'] that guess the next token, its probabilities [n, N] over the
+#       draft entries, temperature-scaled). A node's children get its state, so a state
+#   may be wider than the roots' and grow with depth: it carries whatever the children's
+#   step reads of their path (an attention block's entries for the path's nodes).
 DraftStep = Callable[[int, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 
 
@@ -37,7 +39,7 @@ def grow_trees(step: DraftStep, states: torch.Tensor, tokens: torch.Tensor, *, d
     """states [B, d]: the target's states that produced tokens [B] (each request's root)
     -> per request, the grown tree with its node tokens (target ids) and path
     probabilities. token_ids: the target id of each draft entry (None: entry v is id v)."""
-    batch, width = states.shape
+    batch = states.shape[0]
     if depth <= 0:
         return [DynamicTree(tree_from_paths([]), torch.empty(0, dtype=torch.long), []) for _ in range(batch)]
     device = states.device
@@ -47,7 +49,7 @@ def grow_trees(step: DraftStep, states: torch.Tensor, tokens: torch.Tensor, *, d
     levels, grown = [], 0
     for i in range(depth):
         slots = frontier_p.shape[1]
-        next_states, probs = step(i, frontier_states.reshape(batch * slots, width), frontier_tokens.reshape(-1))
+        next_states, probs = step(i, frontier_states.reshape(batch * slots, -1), frontier_tokens.reshape(-1))
         k = min(top_k, probs.shape[-1])
         child_p, entries = probs.float().clamp_max(1.0).topk(k, dim=-1)                     # [B * F, k]
         child_p = (frontier_p[:, :, None] * child_p.view(batch, slots, k)).view(batch, slots * k)
@@ -58,6 +60,7 @@ def grow_trees(step: DraftStep, states: torch.Tensor, tokens: torch.Tensor, *, d
         if i + 1 < depth:
             frontier_p, chosen = child_p.topk(min(top_k, slots * k), dim=-1)                # [B, F']
             owner = chosen // k                                                            # its parent's slot
+            width = next_states.shape[-1]
             frontier_states = next_states.view(batch, slots, width).gather(
                 1, owner[..., None].expand(-1, -1, width))
             frontier_tokens = child_tokens.gather(1, chosen)

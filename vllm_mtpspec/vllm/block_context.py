@@ -15,7 +15,10 @@ num_computed .. num_computed + n - 1. Row r's state produced the token at positi
 num_computed + r + 1, which is known (the prompt, or a token sampled this step) for the
 first num_tokens_no_spec - 1 - num_computed rows; the rest are rejected drafts and leave
 nothing. So after a decode step with a accepted drafts, rows 0..a enter the cache; after
-a prefill chunk, all its rows.
+a prefill chunk, all its rows. A tree step's rows are its root and every node,
+breadth-first: there the root's row and the accepted nodes' enter, in path order (each
+node was computed at its depth's position, seeing its ancestors only, so its state is
+the one the accepted chain would have).
 
 The cache must end where this step's tokens begin. Where it does not, vLLM computed some
 positions without us seeing them or computes them again:
@@ -94,9 +97,13 @@ class BlockContexts:
         return set(self.caches) | set(self.pending) | set(self.newest)
 
     @torch.no_grad()
-    def update(self, req_ids: list[str], rows: ScheduledRows, num_tokens_no_spec, token_ids_cpu) -> None:
+    def update(self, req_ids: list[str], rows: ScheduledRows, num_tokens_no_spec, token_ids_cpu,
+               tree_paths: dict[int, list[int]] | None = None) -> None:
         """Takes this step's accepted rows of each request, copied (vLLM reuses its
-        buffers); those of a request holding max_pending_rows or more go through the block."""
+        buffers); those of a request holding max_pending_rows or more go through the block.
+        tree_paths: by batch index, for requests verified as trees this step, the rows
+        (within the request's) of the root and of each accepted node in path order: their
+        states are the accepted positions', computed at those positions (tree_step.py)."""
         live = set(req_ids)
         for req_id in [r for r in self.held_requests() if r not in live]:
             self.forget(req_id)
@@ -112,15 +119,26 @@ class BlockContexts:
             known = min(n, int(num_tokens_no_spec[i]) - 1 - start)
             if known > 0:
                 # Copies of the request's own rows: a view would keep the step's whole buffer.
-                taken = slice(offset, offset + known)
+                taken = self._accepted_rows(offset, known, (tree_paths or {}).get(i), rows.hidden_states.device)
                 pending = self.pending.setdefault(req_id, PendingRows())
-                pending.add(rows.hidden_states[taken].clone(),
+                states = rows.hidden_states[taken]  # a slice is a view; a gather, a copy already
+                pending.add(states.clone() if isinstance(taken, slice) else states,
                             torch.tensor(token_ids_cpu[i, start + 1:start + 1 + known], dtype=torch.long),
                             torch.stack([state[taken] for state in rows.layer_states], 1) if reads_layers else None)
                 if pending.rows >= self.max_pending_rows:
                     due.append(req_id)
             offset += n
         self._run_pending(due)
+
+    @staticmethod
+    def _accepted_rows(offset: int, known: int, path: list[int] | None, device):
+        """Where a request's `known` accepted rows are among the step's: its first ones, or
+        on a tree its path's (an index on the states' device: the gather copies)."""
+        if path is None or path[:known] == list(range(known)):
+            return slice(offset, offset + known)
+        if len(path) < known:
+            raise RuntimeError(f"a tree request emitted {known} tokens and its verified path holds {len(path)} rows")
+        return torch.tensor([offset + row for row in path[:known]], device=device)
 
     def _run_pending(self, req_ids: list[str]) -> None:
         """Runs the requests' pending rows through the block (all in one pass): into their
@@ -162,19 +180,30 @@ class BlockContexts:
                 self.block.truncate(cache, position)
         return cache
 
-    @torch.no_grad()
-    def chain_probs(self, batch_indices: list[int], req_ids: list[str], depth: int, project,
-                    temperatures: torch.Tensor, draft_ids: torch.Tensor | None) -> torch.Tensor:
-        """[B, depth, V] temperature-scaled probabilities along each request's own top-1
-        chain from its newest accepted position, all requests drafted together (their
-        pending rows first)."""
+    def _drafting_from(self, batch_indices: list[int], req_ids: list[str]):
+        """The drafted requests' caches and newest outputs [B, d], their pending rows run first."""
         drafted = [req_ids[i] for i in batch_indices]
         self._run_pending(drafted)
         missing = [r for r in drafted if r not in self.newest]
         if missing:
             raise RuntimeError(f"requests {missing} are drafted for, and the draft block's caches took no row of "
                                "theirs since they were last cut back")
-        logits = self.block.draft_chains([self.caches[r] for r in drafted],
-                                         torch.stack([self.newest[r] for r in drafted]), depth, project,
-                                         self._embed, draft_ids).float()
+        return [self.caches[r] for r in drafted], torch.stack([self.newest[r] for r in drafted])
+
+    @torch.no_grad()
+    def chain_probs(self, batch_indices: list[int], req_ids: list[str], depth: int, project,
+                    temperatures: torch.Tensor, draft_ids: torch.Tensor | None) -> torch.Tensor:
+        """[B, depth, V] temperature-scaled probabilities along each request's own top-1
+        chain from its newest accepted position, all requests drafted together (their
+        pending rows first)."""
+        caches, newest = self._drafting_from(batch_indices, req_ids)
+        logits = self.block.draft_chains(caches, newest, depth, project, self._embed, draft_ids).float()
         return torch.softmax(logits / temperatures[:depth, None], dim=-1)
+
+    @torch.no_grad()
+    def tree_step(self, batch_indices: list[int], req_ids: list[str], project, temperatures: torch.Tensor,
+                  draft_ids: torch.Tensor | None):
+        """(the newest outputs [B, d], the draft step) that grow the requests' dynamic trees
+        from their newest accepted positions (DraftBlock.tree_step, grown_tree.py)."""
+        caches, newest = self._drafting_from(batch_indices, req_ids)
+        return newest, self.block.tree_step(caches, project, self._embed, temperatures, draft_ids)

@@ -184,7 +184,7 @@ def install_hidden_state_hook() -> None:
                 bound.arguments["sample_hidden_states"],
                 bound.arguments["spec_decode_metadata"],
                 req_ids,
-                tree_rows=getattr(self, "_mtpspec_tree_rows", None),
+                tree_paths=getattr(self, "_mtpspec_tree_paths", None),
                 # Asked per drafted request only: at large batches nothing is drafted.
                 tree_blocker=lambda i: _tree_blocker_for(self, req_ids[i]),
                 decode_only=_decode_only(bound.arguments.get("scheduler_output")),
@@ -333,7 +333,7 @@ def install_tree_hooks() -> None:
                 end = int(starts[tree.batch_index + 1])
                 self.positions[end - tree.num_query_tokens: end] += tree.position_offsets.to(self.positions.device)
         self._mtpspec_tree_step = step
-        self._mtpspec_tree_rows = None
+        self._mtpspec_tree_paths = None
         _active_tree_step = step.branching if step.branching else None
         _tree_attention_plan = None
         return result
@@ -370,8 +370,8 @@ def install_tree_hooks() -> None:
         sources, destinations = compaction_moves(step, verdicts, self.query_start_loc.np.tolist())
         move_kv(self.kv_caches, _tree_cache_layout, self.input_batch.block_table[0].slot_mapping.gpu,
                 sources, destinations)
-        self._mtpspec_tree_rows = {i: (v.accepted_nodes[-1] + 1 if v.accepted_nodes else 0)
-                                   for i, v in verdicts.items()}
+        # By request: the rows (within its query tokens) of its root and accepted nodes.
+        self._mtpspec_tree_paths = {i: [0] + [node + 1 for node in v.accepted_nodes] for i, v in verdicts.items()}
         _count(step, verdicts)
         return output
 

@@ -105,7 +105,7 @@ class MTPSpecProposer:
         self._sample_hidden_states: torch.Tensor | None = None
         self._num_draft_tokens: list[int] | None = None
         self._req_ids: list[str] | None = None
-        self._tree_rows: dict[int, int] = {}
+        self._tree_paths: dict[int, list[int]] = {}
         self._tree_blocker: Callable[[int], str | None] | None = None
         self._is_sampled: Callable[[int], bool] | None = None
         self._budget: Callable[[int], tuple[int, int] | None] | None = None
@@ -221,12 +221,12 @@ class MTPSpecProposer:
         return None if self._tree_builder is None else self._tree_builder.static_shape
 
     def capture_step(self, sample_hidden_states: torch.Tensor, spec_decode_metadata, req_ids=None,
-                     tree_rows: dict[int, int] | None = None, tree_blocker: Callable[[int], str | None] | None = None,
+                     tree_paths: dict[int, list[int]] | None = None, tree_blocker: Callable[[int], str | None] | None = None,
                      decode_only: bool = False, sampled: Callable[[int], bool] | None = None,
                      scheduled: ScheduledRows | None = None,
                      budget: Callable[[int], tuple[int, int] | None] | None = None) -> None:
-        """tree_rows: for requests verified as trees, the row (within the request) of the
-        last accepted node. tree_blocker: by batch index, why a request must get a chain
+        """tree_paths: for requests verified as trees, the rows (within the request) of
+        the root and the accepted nodes, in path order. tree_blocker: by batch index, why a request must get a chain
         (or None). sampled: by batch index, whether a request samples (temperature > 0).
         decode_only: the step prefilled no prompt (so its time says what drafting cost).
         scheduled: the states of every token computed (an attention draft block reads them).
@@ -237,7 +237,7 @@ class MTPSpecProposer:
         self._sample_hidden_states = sample_hidden_states
         self._num_draft_tokens = None if spec_decode_metadata is None else list(spec_decode_metadata.num_draft_tokens)
         self._req_ids = req_ids
-        self._tree_rows = tree_rows or {}
+        self._tree_paths = tree_paths or {}
         self._tree_blocker = tree_blocker
         self._is_sampled = sampled
         self._budget = budget
@@ -335,7 +335,8 @@ class MTPSpecProposer:
         # The planner's own clock: what it compares drafting against is timed by it too.
         clock = planner.clock if planner is not None else time.perf_counter
         proposing_started = clock()
-        pairs = last_sampled_rows(sampled_token_ids, self._num_draft_tokens, hidden_all.shape[0], self._tree_rows)
+        pairs = last_sampled_rows(sampled_token_ids, self._num_draft_tokens, hidden_all.shape[0],
+                                  {i: path[-1] for i, path in self._tree_paths.items()})
         if planner is not None:
             pairs = self._paced_pairs(pairs, sampled)
         if not pairs:
@@ -355,9 +356,12 @@ class MTPSpecProposer:
             on_tree = set(tree_rows)
             chain_rows = [n for n in range(len(head_owners)) if n not in on_tree]
             if self.block_contexts is not None:
-                chain_probs = self.block_contexts.chain_probs([owners[j] for j in head_owners], req_ids, depth,
-                                                              self._lm_head, self._temperatures, self._draft_ids)
-                trees = []  # an attention block drafts chains only (tree_refusal)
+                drafted = [owners[j] for j in head_owners]
+                chain_probs = self.block_contexts.chain_probs(
+                    [drafted[n] for n in chain_rows], req_ids, depth, self._lm_head, self._temperatures,
+                    self._draft_ids) if chain_rows else None
+                trees = self._block_trees([drafted[n] for n in tree_rows], req_ids, depth,
+                                          budget) if tree_rows else []
             elif self.heads.config.grows_trees:
                 # Each tree node's children come from its own draft step (grown_tree.py).
                 chain_probs = (self._head_probs(hidden_all, [pairs[head_owners[n]] for n in chain_rows],
@@ -452,7 +456,7 @@ class MTPSpecProposer:
         if scheduled is None or req_ids is None or num_tokens_no_spec is None or token_ids_cpu is None:
             raise RuntimeError("an attention draft block needs every step's hidden states and token ids from the "
                                "runner hook (hooks.py), and this step had none")
-        self.block_contexts.update(req_ids, scheduled, num_tokens_no_spec, token_ids_cpu)
+        self.block_contexts.update(req_ids, scheduled, num_tokens_no_spec, token_ids_cpu, self._tree_paths)
 
     def _batch_ids(self, num_requests: int) -> list[str]:
         return list(self._req_ids) if self._req_ids is not None else [str(i) for i in range(num_requests)]
@@ -482,6 +486,15 @@ class MTPSpecProposer:
         hidden, token_ids = self._roots(hidden_all, pairs, sampled_token_ids)
         step = self.heads.draft_step(self._lm_head, self._embed, self._temperatures)
         return self._tree_builder.grow(step, hidden, token_ids, depth=depth, budget=budget, token_ids=self._draft_ids)
+
+    def _block_trees(self, batch_indices: list[int], req_ids, depth: int,
+                     budget: int) -> list[tuple[TreeShape, list[int]]]:
+        """The requests' dynamic trees, grown depth by depth by the draft block from each
+        one's newest accepted position (DraftBlock.tree_step)."""
+        newest, step = self.block_contexts.tree_step(batch_indices, req_ids, self._lm_head, self._temperatures,
+                                                     self._draft_ids)
+        roots = torch.zeros(len(batch_indices), dtype=torch.long, device=newest.device)  # the block's state holds them
+        return self._tree_builder.grow(step, newest, roots, depth=depth, budget=budget, token_ids=self._draft_ids)
 
     def _send_draft(self, batch_index: int, shape: TreeShape, tokens: list[int], drafts, req_ids) -> None:
         drafts[batch_index] = tokens
