@@ -540,7 +540,8 @@ def test_a_draft_blocks_caches_hold_every_accepted_position_and_nothing_else(mod
         # Rows a request still holds back when it ends never ran through the block: run
         # them, so that every position its cache took is recorded.
         if self.pending.get(req_id) and req_id in self.caches:
-            self._run_pending([req_id])
+            with torch.inference_mode():  # as the proposer runs them: its caches are inference tensors
+                self._run_pending([req_id])
         forget(self, req_id)
     def recording_update(self, req_ids, rows, num_tokens_no_spec, token_ids_cpu, tree_paths=None):
         branching_paths.extend(p for p in (tree_paths or {}).values() if p != list(range(len(p))))
@@ -567,7 +568,8 @@ def test_a_draft_blocks_caches_hold_every_accepted_position_and_nothing_else(mod
     # The same prompts again: their prefixes are cached now, so their caches begin past 0.
     again = greedy(llm) if prefix_cached else outputs
     for held in contexts:  # rows the last requests still hold (no step after them forgot them)
-        held._run_pending(list(held.pending))
+        with torch.inference_mode():
+            held._run_pending(list(held.pending))
     metrics = spec_metrics(llm)
     preemptions = sum(m.value for m in llm.get_metrics() if m.name == "vllm:num_preemptions")
     prefix_hits = sum(m.value for m in llm.get_metrics() if m.name == "vllm:prefix_cache_hits")
