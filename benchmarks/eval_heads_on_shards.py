@@ -18,9 +18,13 @@ def main() -> None:
     parser.add_argument("heads", help="a heads directory")
     parser.add_argument("shards", help="a folder of shard-*.pt (e.g. the training job's held-out data)")
     parser.add_argument("--model", default="smollm2-135m-instruct")
+    parser.add_argument("--max-tree-nodes", type=int, default=16,
+                        help="node budget of the replayed trees (consensus, or the grown dynamic tree of heads that "
+                             "grow their own; default 16)")
     args = parser.parse_args()
     embed, lm_head = embedding_and_lm_head(resolve_model(args.model, dtype="fp32"))
-    scores = evaluate_heads(load_heads(args.heads), list_shards(args.shards), lm_head=lm_head, embed=embed)
+    scores = evaluate_heads(load_heads(args.heads), list_shards(args.shards), lm_head=lm_head, embed=embed,
+                            max_tree_nodes=args.max_tree_nodes)
     print(json.dumps({k: v for k, v in scores.items() if k not in ("rank_accuracy", "per_category")}, indent=1))
 
 
