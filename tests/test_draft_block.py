@@ -353,6 +353,16 @@ def test_reference_decoding_with_a_block_is_lossless_and_drafts_what_the_scorer_
     assert len(first_drafts) == len(result.steps) and drafter.cache.length == len(prompt) + row - 1
 
 
+def served_setting():
+    """A small fp32 block, 14 rows of states and their tokens, and a model around its embedding
+    and LM head: what the served-cache tests feed the block and its reference drafter."""
+    block = make_block(num_heads=3).float()
+    features, embed, tokens = random_sequence(14)
+    features, embed = features.float(), embed.float()
+    lm_head = torch.randn(VOCAB, D)
+    return block, features, embed, tokens, lm_head, SimpleModel(embed, lm_head)
+
+
 @torch.no_grad()
 def test_served_drafts_follow_the_same_chain_as_the_reference_drafter():
     """vLLM's side (block_context.py: caches fed from a step's rows, chains drafted from
@@ -362,11 +372,7 @@ def test_served_drafts_follow_the_same_chain_as_the_reference_drafter():
     from vllm_mtpspec.drafter import BlockDrafter
     from vllm_mtpspec.vllm.block_context import BlockContexts, ScheduledRows
 
-    block = make_block(num_heads=3).float()
-    features, embed, tokens = random_sequence(14)
-    features, embed = features.float(), embed.float()
-    lm_head = torch.randn(VOCAB, D)
-    model = SimpleModel(embed, lm_head)
+    block, features, embed, tokens, lm_head, model = served_setting()
     contexts = BlockContexts(block, model.get_input_embeddings())
     # Request "a": a prefill of 6 rows; request "b": 8 rows, whose last produced token was just sampled.
     token_ids = np.zeros((2, 20), dtype=np.int64)
@@ -392,11 +398,7 @@ def test_after_a_tree_step_the_served_cache_takes_the_rows_of_the_accepted_path(
     from vllm_mtpspec.drafter import BlockDrafter
     from vllm_mtpspec.vllm.block_context import BlockContexts, ScheduledRows
 
-    block = make_block(num_heads=3).float()
-    features, embed, tokens = random_sequence(14)
-    features, embed = features.float(), embed.float()
-    lm_head = torch.randn(VOCAB, D)
-    model = SimpleModel(embed, lm_head)
+    block, features, embed, tokens, lm_head, model = served_setting()
     contexts = BlockContexts(block, model.get_input_embeddings())
     token_ids = np.zeros((1, 20), dtype=np.int64)
     token_ids[0, :7] = tokens[:7].numpy()
