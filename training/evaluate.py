@@ -280,7 +280,8 @@ def evaluate_heads(heads, shard_files: list[Path], *, lm_head: torch.Tensor, emb
                     lengths = replay_tree(shape, node_tokens, tokens, lookup)
                     record("chain+lookup", lengths, category, bucket, source)
             if grown:
-                tree = dict(max_nodes=max_tree_nodes, top_k=defaults.dynamic_top_k, min_path_prob=defaults.min_path_prob)
+                tree = dict(max_nodes=max_tree_nodes, top_k=defaults.dynamic_top_k,
+                            min_path_prob=defaults.min_path_prob)
                 grown_trees = (block_grown_trees_along(heads, shard, j, project, embed, **tree)
                                if heads.config.head_kind == "attention" else
                                grown_trees_along(heads, shard["hidden"][start:end], tokens, project, embed, **tree))

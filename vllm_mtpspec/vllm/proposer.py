@@ -221,13 +221,15 @@ class MTPSpecProposer:
         return None if self._tree_builder is None else self._tree_builder.static_shape
 
     def capture_step(self, sample_hidden_states: torch.Tensor, spec_decode_metadata, req_ids=None,
-                     tree_paths: dict[int, list[int]] | None = None, tree_blocker: Callable[[int], str | None] | None = None,
+                     tree_paths: dict[int, list[int]] | None = None,
+                     tree_blocker: Callable[[int], str | None] | None = None,
                      decode_only: bool = False, sampled: Callable[[int], bool] | None = None,
                      scheduled: ScheduledRows | None = None,
                      budget: Callable[[int], tuple[int, int] | None] | None = None) -> None:
         """tree_paths: for requests verified as trees, the rows (within the request) of
-        the root and the accepted nodes, in path order. tree_blocker: by batch index, why a request must get a chain
-        (or None). sampled: by batch index, whether a request samples (temperature > 0).
+        the root and the accepted nodes, in path order. tree_blocker: by batch index, why a
+        request must get a chain (or None). sampled: by batch index, whether a request
+        samples (temperature > 0).
         decode_only: the step prefilled no prompt (so its time says what drafting cost).
         scheduled: the states of every token computed (an attention draft block reads them).
         budget: by batch index, a request's max_tokens and the tokens it has made (None
