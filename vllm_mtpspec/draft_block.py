@@ -428,16 +428,27 @@ class DraftBlock(DraftModule):
         if drop:
             cache.offset, cache.size, cache.start = cache.offset + drop, cache.size - drop, cache.start + drop
 
+    def _token_table(self, draft_ids: torch.Tensor | None, caller: str) -> torch.Tensor | None:
+        """The drafting form's token table (None where prepare_drafting built none), refused
+        with a draft vocabulary other than the one it was built for."""
+        token_inputs = None if self._drafting is None else self._drafting.token_inputs
+        if token_inputs is not None and (draft_ids is None or draft_ids.shape[0] != token_inputs.shape[0]):
+            raise ValueError(f"prepare_drafting was given the embeddings of {token_inputs.shape[0]} draft tokens, and "
+                             f"{caller} {'no draft vocabulary' if draft_ids is None else draft_ids.shape[0]}")
+        return token_inputs
+
+    def _table_input(self, g: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        """The fused input of a drafted token's depth from the token table: fuse's feature
+        half of g, plus the token's row (its index in the draft vocabulary)."""
+        table = self._drafting.token_inputs
+        return self._drafting.feature_fuse(self.feature_norm(_in_dtype(g, table.dtype))) + table[rows]
+
     def draft_chains(self, caches: list[BlockCache], newest: torch.Tensor, depth: int, project, embed,
                      draft_ids: torch.Tensor | None = None) -> torch.Tensor:
         """Logits [B, depth, N] along each request's own top-1 chain: newest [B, d] is the
         output at its newest accepted position (depth 1); depth j reads depth j - 1's
         output and the token drafted from it. The caches end as they began."""
-        drafting = self._drafting
-        token_inputs = None if drafting is None else drafting.token_inputs
-        if token_inputs is not None and (draft_ids is None or draft_ids.shape[0] != token_inputs.shape[0]):
-            raise ValueError(f"prepare_drafting was given the embeddings of {token_inputs.shape[0]} draft tokens, and "
-                             f"draft_chains {'no draft vocabulary' if draft_ids is None else draft_ids.shape[0]}")
+        token_inputs = self._token_table(draft_ids, "draft_chains")
         ends = [c.length for c in caches]
         one_each = [1] * len(caches)  # each request's chain adds one row per depth
         g, logits = newest, []
@@ -447,7 +458,7 @@ class DraftBlock(DraftModule):
                 break
             index = logits[-1].argmax(-1)
             if token_inputs is not None:
-                x = drafting.feature_fuse(self.feature_norm(_in_dtype(g, token_inputs.dtype))) + token_inputs[index]
+                x = self._table_input(g, index)
             else:
                 token = index if draft_ids is None else draft_ids[index]
                 x = self.fused_inputs(g, embed(token))
@@ -470,12 +481,9 @@ class DraftBlock(DraftModule):
         cfg = self.block_config
         d, entry = self.config.hidden_size, cfg.kv_heads * cfg.head_dim
         drafting = self._drafting
-        token_inputs = None if drafting is None else drafting.token_inputs
+        token_inputs = self._token_table(draft_ids, "tree_step")
         draft_index = None
         if token_inputs is not None:  # target id -> its row of the token table
-            if draft_ids is None or draft_ids.shape[0] != token_inputs.shape[0]:
-                raise ValueError(f"prepare_drafting was given the embeddings of {token_inputs.shape[0]} draft "
-                                 "tokens, and tree_step a different draft vocabulary")
             # Sized by the config, not by the ids' largest (reading that would wait for the device).
             draft_index = torch.zeros(self.config.vocab_size, dtype=torch.long, device=draft_ids.device)
             draft_index[draft_ids] = torch.arange(draft_ids.shape[0], device=draft_ids.device)
@@ -490,8 +498,7 @@ class DraftBlock(DraftModule):
             nodes = states.shape[0] // batch                                              # F per request
             g = states[:, :d]
             if token_inputs is not None:
-                x = drafting.feature_fuse(self.feature_norm(_in_dtype(g, token_inputs.dtype)))
-                x = x + token_inputs[draft_index[tokens]]
+                x = self._table_input(g, draft_index[tokens])
             else:
                 x = self.fused_inputs(g, embed(tokens))
             positions = torch.tensor([c.length + i - 1 for c in caches], device=x.device)[:, None].expand(batch, nodes)
