@@ -8,7 +8,9 @@
    synchronises with the host only where its verdicts are read (torch.cuda sync debug
    mode counts the rest), and its time per step.
 2. The heads' forward (the shipped heads, SmolLM2's LM-head shape with random weights).
-3. The INT2 Triton matmul and the Triton tree-attention kernel against their PyTorch paths.
+3. The INT2 Triton matmul and the Triton tree-attention kernel against their PyTorch paths,
+   the latter also through the forward wrapper the hooks put on vLLM's GPU attention
+   backends, over a cache in their layout (gpu_tree_attention.py).
 
 A GPU machine here has no vLLM (its wheel cannot travel there): vLLM's
 apply_top_k_top_p is replaced by a PyTorch stand-in of the same contract, and the output
@@ -201,17 +203,24 @@ def check_kernels(device, report) -> None:
         report["kernels"][f"int2 {rows}x{cols}, batch {batch}"] = {
             "triton_ms": round(timed(lambda: int2_matmul_triton(x, qw), device), 4),
             "torch_ms": round(timed(lambda: int2_matmul_reference(x, qw), device), 4)}
-    # The tree-attention check of the test suite, with every tensor made on the device
-    # (read from the test file as text: the device has no pytest).
-    test_file = Path(__file__).resolve().parents[1] / "tests" / "test_triton_tree_attention.py"
-    CHECK = next(node.value.value for node in ast.parse(test_file.read_text()).body
+    # The tree-attention checks of the test suite, with every tensor made on the device.
+    for test_file, label in (("test_triton_tree_attention.py", "tree attention vs PyTorch path"),
+                             ("test_gpu_tree_attention.py", "tree rows through the GPU backends' forward wrapper")):
+        started = time.perf_counter()
+        run_test_check(test_file, device)
+        report["kernels"][label] = f"equal ({time.perf_counter() - started:.1f} s)"
+
+
+def run_test_check(test_file: str, device) -> None:
+    """A test file's CHECK script, read as text (the device has no pytest), run with torch's
+    default device set to `device`."""
+    path = Path(__file__).resolve().parents[1] / "tests" / test_file
+    check = next(node.value.value for node in ast.parse(path.read_text()).body
                  if isinstance(node, ast.Assign) and getattr(node.targets[0], "id", None) == "CHECK")
     previous = torch.get_default_device()
     torch.set_default_device(device)
     try:
-        started = time.perf_counter()
-        exec(compile(CHECK, "tree-attention-check", "exec"), {"__name__": "tree_attention_check"})
-        report["kernels"]["tree attention vs PyTorch path"] = f"equal ({time.perf_counter() - started:.1f} s)"
+        exec(compile(check, test_file, "exec"), {"__name__": "check"})
     finally:
         torch.set_default_device(previous)
 

@@ -93,6 +93,17 @@ def test_trees_on_a_platform_without_tree_attention_size_vllm_for_chains(parser,
     assert config.speculative_config.num_speculative_tokens == 3  # the chain's length, not 16 tree nodes
 
 
+def test_trees_take_the_engines_compilation_config_out_of_full_cuda_graphs(parser, model_dir, heads, monkeypatch):
+    from vllm_mtpspec.vllm import platform_defaults
+
+    asked = []
+    monkeypatch.setattr(platform_defaults, "run_tree_attention_eagerly",
+                        lambda config, tree: asked.append((type(config).__name__, tree)))
+    engine_config(parser, model_dir, *spec_flag(model=heads, tree="dynamic"))
+    engine_config(parser, model_dir, *spec_flag(model=heads, tree="chain"))
+    assert asked == [("CompilationConfig", "dynamic")]  # chains keep vLLM's CUDA graphs
+
+
 def test_sampled_chains_go_to_vllms_rejection_sampler_where_it_is_exact(monkeypatch):
     from vllm.platforms import current_platform
 

@@ -8,6 +8,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from tests.paged_trees import random_tree
 from tests.stats import TRIALS, assert_follows
 from vllm_mtpspec.tree import chain_tree, tree_from_paths
 from vllm_mtpspec.verify import Verdict
@@ -19,20 +20,6 @@ from vllm_mtpspec.vllm.tree_step import ProposedTree, ScheduledTree, TreeStep, s
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_SIZE = 6, 2, 64
 SCALE = 1 / math.sqrt(HEAD_SIZE)
-
-
-def random_tree(num_nodes, gen):
-    """Every node hangs under a random earlier node (or the root)."""
-    children = {(): 0}
-    paths = []
-    for _ in range(num_nodes):
-        parents = [()] + paths
-        parent = parents[int(torch.randint(len(parents), (1,), generator=gen))]
-        path = parent + (children[parent],)
-        children[parent] += 1
-        children[path] = 0
-        paths.append(path)
-    return tree_from_paths(paths)
 
 
 class PagedCache:

@@ -19,8 +19,9 @@
    the proposer sent (tree_step.py); every other request runs through vLLM unchanged:
    - GPUModelRunner._prepare_inputs: after vLLM lays out the step (slots from sequential
      positions), tree nodes move to position root + depth;
-   - CPUAttentionBackendImpl.forward: after the stock kernel, tree rows are recomputed
-     with the ancestor mask (attention.py);
+   - the attention backend's forward (CPUAttentionBackendImpl on CPUs; on GPUs with
+     vLLM 0.33, FlashAttentionImpl and TritonAttentionImpl): after the stock kernel, tree
+     rows are recomputed with the ancestor mask (attention.py, gpu_tree_attention.py);
    - GPUModelRunner._sample: after vLLM's rejection sampler, tree rows are replaced by
      the tree verdicts (tree_sampler.py) and accepted nodes' KV moves into place
      (kv_compaction.py).
@@ -62,7 +63,7 @@ def install_speculative_config_hook() -> None:
         spec = _with_spec_flags(self)
         if isinstance(spec, dict) and spec.get("method") == METHOD:
             self.speculative_config, self.additional_config = _mtpspec_to_custom_class(
-                spec, self.additional_config, target_model_config
+                spec, self.additional_config, target_model_config, self.compilation_config
             )
             for _, _, field in SPEC_FLAGS:  # merged above: vLLM would merge them a second time
                 if hasattr(self, field):
@@ -103,9 +104,9 @@ def _with_spec_flags(engine_args):
     return merged
 
 
-def _mtpspec_to_custom_class(spec, additional_config, target_model_config):
+def _mtpspec_to_custom_class(spec, additional_config, target_model_config, compilation_config):
     from vllm_mtpspec.vllm.options import check_against_model, translate
-    from vllm_mtpspec.vllm.platform_defaults import platform_blocker
+    from vllm_mtpspec.vllm.platform_defaults import platform_blocker, run_tree_attention_eagerly
     from vllm_mtpspec.vllm.version import require_supported_vllm
     from vllm_mtpspec.config import SpecOptions
 
@@ -131,6 +132,8 @@ def _mtpspec_to_custom_class(spec, additional_config, target_model_config):
     if trees and (reason := platform_blocker()):
         logger.warning("mtpspec: tree=%r asked, but %s", options.tree, reason)
         trees = False
+    if trees:
+        run_tree_attention_eagerly(compilation_config, options.tree)
     vllm_spec["num_speculative_tokens"] = options.max_tree_nodes if trees else depth
     logger.info("mtpspec: %d heads from %s, depth %d, %s drafts of up to %d tokens",
                 heads_config.num_heads, options.heads, depth, options.tree if trees else "chain",
@@ -293,34 +296,31 @@ class TreeStats:
 
 tree_stats = TreeStats()
 
-# The tree step being executed, read by every attention layer of the forward pass; where
-# its rows and keys are (built by the first layer); and the KV cache layout those layers
-# use (read again to move accepted nodes' KV).
+# The tree step being executed, read by every attention layer of the forward pass; the
+# runner's query offsets for it (host-side); where its rows and keys are (planned by the
+# first layer); and how the accepted nodes' KV moves in the cache layout those layers use.
 _active_tree_step = None
+_tree_query_starts = None
 _tree_attention_plan = None
-_tree_cache_layout = None
+_move_tree_kv = None
 
 
 def install_tree_hooks() -> None:
     if "trees" in _installed:
         return
-    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackendImpl
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
     _require(GPUModelRunner, "_prepare_inputs", "_sample")
-    _require(CPUAttentionBackendImpl, "forward")
-    from vllm_mtpspec.vllm.attention import overwrite_tree_rows, plan_tree_attention, probe_block_layout
-    from vllm_mtpspec.vllm.kv_compaction import compaction_moves, move_kv
+    from vllm_mtpspec.vllm.kv_compaction import compaction_moves
     from vllm_mtpspec.vllm.tree_sampler import verify_tree_requests
     from vllm_mtpspec.vllm.tree_step import NO_TREES, schedule_trees
 
     original_prepare = GPUModelRunner._prepare_inputs
     original_sample = GPUModelRunner._sample
-    original_attention = CPUAttentionBackendImpl.forward
 
     @functools.wraps(original_prepare)
     def _prepare_inputs(self, scheduler_output, *args, **kwargs):
-        global _active_tree_step, _tree_attention_plan
+        global _active_tree_step, _tree_query_starts, _tree_attention_plan, _move_tree_kv
         result = original_prepare(self, scheduler_output, *args, **kwargs)
         step = NO_TREES
         proposed = getattr(getattr(self, "drafter", None), "proposed_trees", None)
@@ -332,24 +332,12 @@ def install_tree_hooks() -> None:
             for tree in step.branching.trees:  # a chain's positions are already right
                 end = int(starts[tree.batch_index + 1])
                 self.positions[end - tree.num_query_tokens: end] += tree.position_offsets.to(self.positions.device)
+            _tree_query_starts = starts
         self._mtpspec_tree_step = step
         self._mtpspec_tree_paths = None
         _active_tree_step = step.branching if step.branching else None
         _tree_attention_plan = None
-        return result
-
-    @functools.wraps(original_attention)
-    def forward(self, layer, query, key, value, kv_cache, attn_metadata, output, *args, **kwargs):
-        global _tree_cache_layout, _tree_attention_plan
-        result = original_attention(self, layer, query, key, value, kv_cache, attn_metadata, output, *args, **kwargs)
-        step = _active_tree_step
-        if step is not None and attn_metadata is not None and self.attn_type == "decoder":
-            _check_tree_attention_supported(self)
-            _tree_cache_layout = probe_block_layout(layer.isa, kv_cache.shape[2], self.head_size, kv_cache.dtype)
-            if _tree_attention_plan is None:  # the same for every layer of this step
-                _tree_attention_plan = plan_tree_attention(step, attn_metadata.query_start_loc, attn_metadata.seq_lens,
-                                                           attn_metadata.block_table, kv_cache.shape[2])
-            overwrite_tree_rows(_tree_attention_plan, query, kv_cache, _tree_cache_layout, output, self.scale)
+        _move_tree_kv = None
         return result
 
     @functools.wraps(original_sample)
@@ -368,8 +356,10 @@ def install_tree_hooks() -> None:
         verdicts = verify_tree_requests(step, target_logits, list(spec_decode_metadata.num_draft_tokens),
                                         self.input_batch.sampling_metadata, output.sampled_token_ids)
         sources, destinations = compaction_moves(step, verdicts, self.query_start_loc.np.tolist())
-        move_kv(self.kv_caches, _tree_cache_layout, self.input_batch.block_table[0].slot_mapping.gpu,
-                sources, destinations)
+        if sources:
+            if _move_tree_kv is None:  # tree_attention_blocker refuses such engines at start-up
+                raise RuntimeError("mtpspec: a tree step ran through no attention layer that recomputes tree rows")
+            _move_tree_kv(self.kv_caches, self.input_batch.block_table[0].slot_mapping.gpu, sources, destinations)
         # By request: the rows (within its query tokens) of its root and accepted nodes.
         self._mtpspec_tree_paths = {i: [0] + [node + 1 for node in v.accepted_nodes] for i, v in verdicts.items()}
         _count(step, verdicts)
@@ -377,8 +367,122 @@ def install_tree_hooks() -> None:
 
     GPUModelRunner._prepare_inputs = _prepare_inputs
     GPUModelRunner._sample = _sample
-    CPUAttentionBackendImpl.forward = forward
+    for impl_class, recompute in _tree_attention_backends():
+        _require(impl_class, "forward")
+        impl_class.forward = _with_tree_rows(impl_class.forward, recompute)
     _installed.add("trees")
+
+
+def _tree_attention_backends() -> list:
+    """(attention impl class, how its layers recompute tree rows) for this platform."""
+    import importlib
+
+    from vllm.platforms import current_platform
+
+    from vllm_mtpspec.vllm.platform_defaults import platform_blocker
+
+    if current_platform.is_cpu():
+        from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackendImpl
+
+        return [(CPUAttentionBackendImpl, _cpu_tree_rows)]
+    if platform_blocker() is not None:
+        return []
+    from vllm_mtpspec.vllm.gpu_tree_attention import GPU_TREE_ATTENTION_IMPLS
+
+    backends = []
+    for module, name in GPU_TREE_ATTENTION_IMPLS:
+        try:
+            backends.append((getattr(importlib.import_module(module), name), _gpu_tree_rows))
+        except (ImportError, AttributeError) as error:  # tree_attention_blocker names what is missing
+            logger.debug("mtpspec: no tree attention in %s.%s: %s", module, name, error)
+    return backends
+
+
+def _with_tree_rows(original, recompute):
+    """An attention impl's forward that, while a tree step runs, lets the stock kernel
+    attend causally and then recomputes the tree requests' rows."""
+
+    @functools.wraps(original)
+    def forward(self, layer, query, key, value, kv_cache, attn_metadata, output, *args, **kwargs):
+        result = original(self, layer, query, key, value, kv_cache, attn_metadata, output, *args, **kwargs)
+        step = _active_tree_step
+        if step is not None and attn_metadata is not None and self.attn_type == "decoder":
+            if unsupported := _unsupported_attention_features(self):
+                raise NotImplementedError(f"mtpspec tree attention does not support {', '.join(unsupported)}; "
+                                          "use tree='chain' in the speculative config")
+            recompute(self, layer, step, query, kv_cache, attn_metadata, output, *args, **kwargs)
+        return result
+
+    forward.recomputes_tree_rows = True
+    return forward
+
+
+def _cpu_tree_rows(impl, layer, step, query, kv_cache, attn_metadata, output, *args, **kwargs) -> None:
+    global _tree_attention_plan, _move_tree_kv
+    from vllm_mtpspec.vllm.attention import overwrite_tree_rows, plan_tree_attention, probe_block_layout
+
+    layout = probe_block_layout(layer.isa, kv_cache.shape[2], impl.head_size, kv_cache.dtype)
+    if _tree_attention_plan is None:  # the same for every layer of this step
+        _tree_attention_plan = plan_tree_attention(step, attn_metadata.query_start_loc, attn_metadata.seq_lens,
+                                                   attn_metadata.block_table, kv_cache.shape[2])
+    overwrite_tree_rows(_tree_attention_plan, query, kv_cache, layout, output, impl.scale)
+    _move_tree_kv = functools.partial(_move_cpu_kv, layout)
+
+
+def _move_cpu_kv(layout, kv_caches, slot_mapping, sources, destinations) -> None:
+    from vllm_mtpspec.vllm.kv_compaction import move_kv
+
+    move_kv(kv_caches, layout, slot_mapping, sources, destinations)
+
+
+def _gpu_tree_rows(impl, layer, step, query, kv_cache, attn_metadata, output, output_scale=None,
+                   output_block_scale=None) -> None:
+    global _tree_attention_plan, _move_tree_kv
+    from vllm_mtpspec.vllm.gpu_tree_attention import (move_paged_kv, overwrite_tree_rows_paged,
+                                                      plan_paged_tree_attention)
+
+    if output_scale is not None or output_block_scale is not None or output.dtype != query.dtype:
+        raise NotImplementedError("mtpspec tree attention does not support quantized attention outputs; use "
+                                  "tree='chain' in the speculative config")
+    if _tree_attention_plan is None:  # the same for every layer of this step
+        _tree_attention_plan = plan_paged_tree_attention(step, _tree_query_starts, query.device)
+    overwrite_tree_rows_paged(_tree_attention_plan, query, kv_cache, attn_metadata.block_table,
+                              attn_metadata.seq_lens, output, impl.head_size, impl.scale)
+    _move_tree_kv = move_paged_kv
+
+
+def tree_attention_blocker(model, model_config=None) -> str | None:
+    """Why this engine's layers cannot verify trees (None when they can): an attention
+    backend whose forward does not recompute tree rows, or a feature the recomputation
+    leaves out. Checked when the proposer loads, before any request."""
+    if getattr(model_config, "uses_mrope", False):
+        return "the model's multimodal rotary positions (M-RoPE) are not moved to tree depths"
+    for module in model.modules() if hasattr(model, "modules") else ():
+        impl = getattr(module, "impl", None)
+        if impl is None or getattr(impl, "attn_type", None) != "decoder":
+            continue
+        if not getattr(type(impl).forward, "recomputes_tree_rows", False):
+            return (f"its attention backend ({type(impl).__name__}) does not recompute tree rows; on a GPU that "
+                    "is FlashAttention's or Triton's (vllm serve --attention-backend FLASH_ATTN)")
+        if unsupported := _unsupported_attention_features(impl):
+            return f"tree attention does not support {', '.join(unsupported)}"
+    return None
+
+
+def _unsupported_attention_features(impl) -> list[str]:
+    window = getattr(impl, "sliding_window", None)
+    kv_dtype = str(getattr(impl, "kv_cache_dtype", "auto"))
+    return [
+        name for name, present in (
+            ("a sliding window", window not in (None, -1, (-1, -1))),
+            ("a logits soft cap", bool(getattr(impl, "logits_soft_cap", None))),
+            ("attention sinks", getattr(impl, "sinks", None) is not None),
+            ("ALiBi", getattr(impl, "alibi_slopes", None) is not None),
+            ("a quantized KV cache", bool(getattr(impl, "is_fp8_kv_cache", False))
+             or kv_dtype not in ("auto", "bfloat16", "float16", "half", "float32", "float")),
+            ("decode context parallelism", (getattr(impl, "dcp_world_size", 1) or 1) > 1),
+        ) if present
+    ]
 
 
 def _plain_sampling_suffices(spec_decode_metadata, sampling_metadata) -> bool:
@@ -438,23 +542,6 @@ def _require(owner, *names: str) -> None:
 
         raise UnsupportedVLLMError(f"{owner.__name__} in vLLM {vllm_version()} has no {', '.join(missing)}; "
                                    "vllm-mtpspec supports vLLM 0.32 and 0.33")
-
-
-def _check_tree_attention_supported(impl) -> None:
-    unsupported = [
-        name for name, present in (
-            ("a sliding window", impl.sliding_window not in (-1, None)),
-            ("a logits soft cap", bool(impl.logits_soft_cap)),
-            ("attention sinks", impl.sinks is not None),
-            ("ALiBi", impl.alibi_slopes is not None),
-            ("an fp8 KV cache", impl.is_fp8_kv_cache),
-        ) if present
-    ]
-    if unsupported:
-        raise NotImplementedError(
-            f"mtpspec tree attention does not support models or caches with {', '.join(unsupported)}; "
-            "use tree='chain' in the speculative config"
-        )
 
 
 def install_cpu_expand_fix() -> None:

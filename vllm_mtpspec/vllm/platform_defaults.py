@@ -3,15 +3,59 @@ from __future__ import annotations
 
 import torch
 
+from vllm_mtpspec.config import ConfigError
+from vllm_mtpspec.vllm.logs import logger
+
 
 def platform_blocker() -> str | None:
-    """Why this platform cannot verify trees at all (None when it can)."""
+    """Why this platform cannot verify trees at all (None when it can). Which attention
+    backend the engine's layers use is checked once they exist (hooks.tree_attention_blocker)."""
     from vllm.platforms import current_platform
 
-    if not current_platform.is_cpu():
-        return ("tree attention is built for vLLM's CPU backend only so far: on this platform every "
+    from vllm_mtpspec.triton_support import triton_available
+    from vllm_mtpspec.vllm.version import vllm_version
+
+    if current_platform.is_cpu():
+        return None
+    if not current_platform.is_cuda():
+        return ("tree attention is built for vLLM's CPU backend and for CUDA GPUs only: on this platform every "
                 "request is verified as a chain")
+    if not vllm_version().startswith("0.33"):
+        return (f"tree attention on a GPU is built for vLLM 0.33's attention backends, and this is vLLM "
+                f"{vllm_version()}: every request is verified as a chain")
+    if not triton_available():
+        return ("tree attention on a GPU runs a Triton kernel, and Triton is not installed: every request is "
+                "verified as a chain")
     return None
+
+
+def run_tree_attention_eagerly(compilation_config, tree: str) -> None:
+    """Tree rows are recomputed by a wrapper around the attention backend's forward
+    (hooks.py). A full CUDA graph replays the kernels it captured and never calls that
+    wrapper, so on a GPU a step that verifies trees must run attention outside CUDA
+    graphs: vLLM's piecewise graphs leave attention out of the captured pieces. Where
+    cudagraph_mode is not given it becomes PIECEWISE; one with full graphs is refused.
+    compilation_config: EngineArgs.compilation_config (a CompilationConfig or a dict)."""
+    from vllm.config.compilation import CUDAGraphMode
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cuda():
+        return
+    given = (compilation_config.get("cudagraph_mode") if isinstance(compilation_config, dict)
+             else compilation_config.cudagraph_mode)
+    if given is None:
+        if isinstance(compilation_config, dict):
+            compilation_config["cudagraph_mode"] = "PIECEWISE"
+        else:
+            compilation_config.cudagraph_mode = CUDAGraphMode.PIECEWISE
+        logger.info("mtpspec: tree=%r: attention runs outside CUDA graphs (cudagraph_mode PIECEWISE), where "
+                    "tree rows are recomputed", tree)
+        return
+    mode = given if isinstance(given, CUDAGraphMode) else CUDAGraphMode[str(given).upper()]
+    if mode.has_full_cudagraphs():
+        raise ConfigError(f"tree={tree!r} recomputes tree rows after the attention kernel, which a full CUDA graph "
+                          f"never calls, and compilation_config's cudagraph_mode is {mode.name}: give cudagraph_mode "
+                          "PIECEWISE or NONE (or leave it out), or tree='chain'")
 
 
 def default_backoff_start() -> int:

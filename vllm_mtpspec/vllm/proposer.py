@@ -83,6 +83,7 @@ class MTPSpecProposer:
                               "use tree='chain'" + (" or tree='dynamic'" if self.heads_config.grows_trees else ""))
         self.depth = wanted or self.heads_config.num_heads
         self.model_path = model_config.model
+        self._model_config = model_config
         self.tied_target = bool(getattr(hf_config, "tie_word_embeddings", False))
         self.dtype = model_config.dtype
         self.device = torch.device(vllm_config.device_config.device)
@@ -178,6 +179,12 @@ class MTPSpecProposer:
         return sorted({max(largest >> j, 1) for j in range(largest.bit_length())})
 
     def load_model(self, target_model) -> None:
+        if self.uses_trees:
+            from vllm_mtpspec.vllm.hooks import tree_attention_blocker
+
+            if reason := tree_attention_blocker(target_model, self._model_config):
+                raise ConfigError(f"tree={self.options.tree!r} was asked, and this engine cannot verify trees: "
+                                  f"{reason}. Use tree='chain'")
         self.draft_dtype = draft_dtype(self.options.draft_dtype, self.dtype,
                                        quantized=self.heads_config.quantization is not None)
         self.heads = load_heads(self.options.heads, device=self.device, dtype=self.draft_dtype)
