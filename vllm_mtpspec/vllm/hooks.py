@@ -4,7 +4,9 @@
    validates it (both `vllm serve` and `LLM(...)` go through it): `method="mtpspec"`
    (from --speculative-config, vLLM's --spec-* flags, or both, merged as vLLM merges
    them) becomes vLLM's own `custom_class` form, and the heads are checked against the
-   served model right there, in the front-end process, before any engine starts.
+   served model right there, in the front-end process, before any engine starts. With a
+   tree on a GPU, the engine's compilation config keeps attention out of full CUDA graphs
+   (platform_defaults.run_tree_attention_eagerly), before vLLM reads it.
    EngineArgs.add_cli_args: `mtpspec` becomes a valid choice of --spec-method.
 2. GPUModelRunner.propose_draft_token_ids (inherited by CPUModelRunner, same signature in
    0.32 and 0.33) holds the hidden states that a `custom_class` proposer never receives:
