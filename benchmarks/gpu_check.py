@@ -11,6 +11,8 @@
 3. The INT2 Triton matmul and the Triton tree-attention kernel against their PyTorch paths,
    the latter also through the forward wrapper the hooks put on vLLM's GPU attention
    backends, over a cache in their layout (gpu_tree_attention.py).
+4. What recomputing tree rows adds to each attention layer on those backends, at SmolLM2's
+   and an 8B Llama's attention shapes (random values in real shapes).
 
 A GPU machine here has no vLLM (its wheel cannot travel there): vLLM's
 apply_top_k_top_p is replaced by a PyTorch stand-in of the same contract, and the output
@@ -211,6 +213,49 @@ def check_kernels(device, report) -> None:
         report["kernels"][label] = f"equal ({time.perf_counter() - started:.1f} s)"
 
 
+# (attention shape: query heads, KV heads, head size) and (tree requests, nodes each, cached tokens).
+TREE_ROW_SHAPES = {"SmolLM2-135M": (9, 3, 64), "Llama-3-8B": (32, 8, 128)}
+TREE_ROW_SIZES = ((1, 16, 512), (16, 16, 512), (16, 16, 2048), (64, 8, 512))
+
+
+def time_tree_rows(device, report, shapes=TREE_ROW_SHAPES, sizes=TREE_ROW_SIZES, dtype=torch.bfloat16) -> None:
+    """What recomputing the tree rows adds to each attention layer of a step on vLLM's
+    GPU backends (gpu_tree_attention.py), and the step's host-side plan: the budget a
+    tree's extra accepted tokens must pay for, beside the target's own step time."""
+    from vllm_mtpspec.tree import consensus_tree
+    from vllm_mtpspec.vllm.gpu_tree_attention import overwrite_tree_rows_paged, plan_paged_tree_attention
+    from vllm_mtpspec.vllm.tree_step import ScheduledTree, TreeStep
+
+    block_size = 16
+    for name, (num_heads, num_kv_heads, head_size) in shapes.items():
+        for requests, nodes, context in sizes:
+            shape = consensus_tree(4, max_nodes=nodes)
+            n = len(shape) + 1
+            per_request = -(-(context + n) // block_size)
+            kv_cache = torch.randn(requests * per_request, block_size, num_kv_heads, 2 * head_size, device=device,
+                                   dtype=dtype).transpose(1, 2)  # the backends' view over NHD storage
+            block_table = torch.arange(requests * per_request, device=device, dtype=torch.int32).view(requests, -1)
+            seq_lens = torch.full((requests,), context + n, device=device, dtype=torch.int32)
+            query = torch.randn(requests * n, num_heads, head_size, device=device, dtype=dtype)
+            output = torch.empty_like(query)
+            step = TreeStep(tuple(ScheduledTree(i, shape, tuple(range(len(shape)))) for i in range(requests)))
+            starts = [i * n for i in range(requests + 1)]
+            plan = plan_paged_tree_attention(step, starts, device)
+            report["tree rows"][f"{name}, {requests} x {len(shape)} nodes, context {context}"] = {
+                "per_layer_ms": round(timed(lambda: overwrite_tree_rows_paged(
+                    plan, query, kv_cache, block_table, seq_lens, output, head_size, 1 / math.sqrt(head_size)),
+                    device), 4),
+                "plan_per_step_ms": round(timed(lambda: plan_paged_tree_attention(step, starts, device), device), 4)}
+
+
+def time_tree_rows_on_cuda(device, report) -> None:
+    if device.type != "cuda":
+        report["tree rows"] = "skipped: timed on CUDA only"
+        return
+    report["tree rows"] = {}
+    time_tree_rows(device, report)
+
+
 def run_test_check(test_file: str, device) -> None:
     """A test file's CHECK script, read as text (the device has no pytest), run with torch's
     default device set to `device`."""
@@ -233,7 +278,7 @@ def main(argv=None) -> None:
     device = torch.device(args.device)
     report = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
               "torch": torch.__version__, "verifier": {}, "heads": {}, "kernels": {}}
-    for part in (check_verifier, check_heads, check_kernels):
+    for part in (check_verifier, check_heads, check_kernels, time_tree_rows_on_cuda):
         started = time.perf_counter()
         part(device, report)
         print(f"[gpu_check] {part.__name__} done in {time.perf_counter() - started:.1f} s", flush=True)

@@ -260,3 +260,24 @@ def test_which_gpus_verify_trees(on_a_gpu, monkeypatch):
     assert "Triton is not installed" in platform_defaults.platform_blocker()
     monkeypatch.setattr(current_platform, "is_cuda", lambda: False)
     assert "CPU backend and for CUDA GPUs only" in platform_defaults.platform_blocker()
+
+
+GPU_CHECK = r"""
+import sys, torch
+sys.path.insert(0, "benchmarks")
+import gpu_check
+gpu_check.run_test_check("test_gpu_tree_attention.py", torch.device("cpu"))
+report = {"tree rows": {}}
+gpu_check.time_tree_rows(torch.device("cpu"), report, shapes={"tiny": (4, 2, 16)}, sizes=((1, 3, 20),),
+                         dtype=torch.float32)
+(timing,) = report["tree rows"].values()
+assert timing["per_layer_ms"] > 0 and timing["plan_per_step_ms"] > 0, timing
+print("gpu-check-tree-parts-ok")
+"""
+
+
+def test_the_gpu_check_scripts_tree_parts_run_under_the_interpreter():
+    """What benchmarks/gpu_check.py runs on a lent GPU (no pytest there): the check above
+    read from this file, and the tree rows' timing, on tiny shapes."""
+    pytest.importorskip("triton")
+    run_under_triton_interpreter(GPU_CHECK, "gpu-check-tree-parts-ok")
