@@ -402,16 +402,15 @@ def _tree_attention_backends() -> list:
 
 def _with_tree_rows(original, recompute):
     """An attention impl's forward that, while a tree step runs, lets the stock kernel
-    attend causally and then recomputes the tree requests' rows."""
+    attend causally and then recomputes the tree requests' rows. What the recomputation
+    leaves out was refused when the proposer loaded (tree_attention_blocker checks every
+    decoder layer), so no layer checks it again at each step."""
 
     @functools.wraps(original)
     def forward(self, layer, query, key, value, kv_cache, attn_metadata, output, *args, **kwargs):
         result = original(self, layer, query, key, value, kv_cache, attn_metadata, output, *args, **kwargs)
         step = _active_tree_step
         if step is not None and attn_metadata is not None and self.attn_type == "decoder":
-            if unsupported := _unsupported_attention_features(self):
-                raise NotImplementedError(f"mtpspec tree attention does not support {', '.join(unsupported)}; "
-                                          "use tree='chain' in the speculative config")
             recompute(self, layer, step, query, kv_cache, attn_metadata, output, *args, **kwargs)
         return result
 
