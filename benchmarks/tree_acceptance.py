@@ -23,7 +23,7 @@ ENGINE = dict(dtype="float32", max_model_len=2048, kv_cache_memory_bytes=512 << 
 
 
 def held_out_prompts(count: int) -> list[str]:
-    from training.prompts import is_held_out, sharegpt_prompts
+    from vllm_mtpspec.sharegpt import is_held_out, sharegpt_prompts
 
     return [p.text for p in sharegpt_prompts(max_chars=1500) if is_held_out(p.id)][:count]
 
@@ -45,8 +45,8 @@ def run(model: str, prompts: list[str], max_tokens: int, spec: dict | None) -> t
 
 
 def main() -> None:
-    from vllm_mtpspec.cli import shipped_heads_dir
     from vllm_mtpspec.models import fetch_model
+    from vllm_mtpspec.shipped import shipped_heads_dir
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--heads", default=None, help="heads directory (default: the shipped heads)")
@@ -63,10 +63,10 @@ def main() -> None:
     results = []
     for tree in args.trees.split(","):
         # Full-size drafts every step: this measures what a tree accepts, not what a busy
-        # CPU affords (which the draft-size controller would weigh).
+        # CPU affords (which the planner would weigh).
         spec = {"method": "mtpspec", "model": heads, "tree": tree, "max_tree_nodes": args.max_tree_nodes,
                 "min_path_prob": 0.0 if tree != "dynamic" else 0.02,
-                "adaptive_draft_size": False, "batch_backoff_start": ENGINE["max_num_seqs"],
+                "draft_size": "fixed", "batch_backoff_start": ENGINE["max_num_seqs"],
                 "prompt_lookup_max": 0}
         outputs, c = run(model, prompts, args.max_tokens, spec)
         steps = c.get("vllm:spec_decode_num_drafts", 0)

@@ -4,7 +4,12 @@ import pytest
 import torch
 
 from vllm_mtpspec.checkpoint import (
-    HeadsError, check_heads_match_model, load_heads, model_fingerprint, read_heads_config, save_heads,
+    HeadsError,
+    check_heads_match_model,
+    load_heads,
+    model_fingerprint,
+    read_heads_config,
+    save_heads,
 )
 from vllm_mtpspec.config import ConfigError, HeadsConfig, SpecOptions
 from vllm_mtpspec.heads import MTPHeads
@@ -140,16 +145,42 @@ def test_unknown_options_and_presets_are_named():
 
 def test_draft_size_rules_and_their_conflicts_are_named():
     assert SpecOptions().draft_size_rule("fixed") == "fixed"
-    assert SpecOptions(adaptive_draft_size=True).draft_size_rule("fixed") == "learned"
     assert SpecOptions(draft_size="planned").draft_size_rule("fixed") == "planned"
+    assert SpecOptions(draft_size="fixed").draft_size_rule("planned") == "fixed"
     # A platform that plans by default still gives trees a rule that can size them.
     assert SpecOptions(tree="consensus").draft_size_rule("planned") == "fixed"
-    with pytest.raises(ConfigError, match=r"draft_size='guess': choose one of \('fixed', 'learned', 'planned'\)"):
+    with pytest.raises(ConfigError, match=r"draft_size='guess': choose one of \('fixed', 'planned'\)"):
         SpecOptions(draft_size="guess")
-    with pytest.raises(ConfigError, match="adaptive_draft_size=true .* and draft_size='planned' disagree"):
-        SpecOptions(adaptive_draft_size=True, draft_size="planned")
-    with pytest.raises(ConfigError, match="draft_size='planned' plans chains, and tree='dynamic' was asked"):
+    with pytest.raises(ConfigError, match="draft_size='planned' plans chains, and tree='dynamic' was asked: use "
+                                          "tree='chain', or draft_size='fixed' for trees"):
         SpecOptions(draft_size="planned", tree="dynamic")
+
+
+@pytest.mark.parametrize("raw", [{"draft_size": "learned"}, {"draft_size": "learned", "tree": "consensus"},
+                                 {"draft_size": "learned", "pace_cohorts": "always"}])
+def test_the_retired_learned_draft_size_is_refused_with_its_replacements(raw):
+    with pytest.raises(ConfigError, match="draft_size='learned' was retired .*: give draft_size='planned' for "
+                                          "chains, or draft_size='fixed' for trees"):
+        SpecOptions.from_dict(raw, source="additional_config['mtpspec']")
+
+
+@pytest.mark.parametrize("value", [True, False])
+def test_the_retired_adaptive_draft_size_is_refused_by_name_whatever_its_value(value):
+    with pytest.raises(ConfigError, match=r"^additional_config\['mtpspec'\]: option 'adaptive_draft_size' was "
+                                          r"retired; .*drop it, and give draft_size='planned' where it was true$"):
+        SpecOptions.from_dict({"adaptive_draft_size": value, "draft_size": "fixed"},
+                              source="additional_config['mtpspec']")
+
+
+def test_vllms_speculative_config_passes_a_retired_option_on_to_be_named():
+    from vllm_mtpspec.vllm.options import translate
+
+    for spec, named in [({"adaptive_draft_size": True}, "option 'adaptive_draft_size' was retired"),
+                        ({"draft_size": "learned"}, "draft_size='learned' was retired")]:
+        with pytest.raises(ConfigError, match=named):
+            translate({"method": "mtpspec", "model": "heads", **spec}, None)
+        with pytest.raises(ConfigError, match=named):
+            translate({"method": "mtpspec", "model": "heads"}, {"mtpspec": spec})
 
 
 def test_a_directory_written_before_head_kinds_and_draft_vocabularies_loads_as_it_did(heads_dir, tiny_model):

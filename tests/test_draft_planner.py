@@ -6,9 +6,9 @@ import random
 
 import pytest
 
-from vllm_mtpspec.draft_planner import (Candidate, DraftPlanner, KeepCalibration, LookupKeepRates, plan_drafts)
+from vllm_mtpspec.draft_planner import Candidate, DraftPlanner, KeepCalibration, LookupKeepRates, plan_drafts
 from vllm_mtpspec.plan_check import MeasuredRatio, PlanCheck
-from vllm_mtpspec.step_cost import StepCostCurve, StepCosts, non_decreasing
+from vllm_mtpspec.step_cost import DecayingMean, StepCostCurve, StepCosts, non_decreasing
 
 
 def brute_force_rate(keep_probs, step_seconds, drafting_seconds=0.0):
@@ -81,6 +81,16 @@ def test_a_total_asked_for_takes_the_surest_drafts():
     assert plan_drafts(keep, lambda q: 1.0, total=3).lengths == [2, 1]
     assert plan_drafts(keep, lambda q: 1.0, total=9).lengths == [2, 2]
     assert plan_drafts(keep, lambda q: 1.0, total=-1).lengths == [0, 0]
+
+
+def test_decaying_mean_starts_at_the_first_sample_and_forgets_later():
+    mean = DecayingMean(0.5)
+    for x in (2.0, 4.0):
+        mean.add(x)
+    assert mean.value == pytest.approx((2.0 * 0.5 + 4.0) / 1.5)
+    for _ in range(30):
+        mean.add(10.0)
+    assert mean.value == pytest.approx(10.0, abs=1e-6)
 
 
 def test_the_cost_curve_fits_a_non_decreasing_line_through_its_measurements():

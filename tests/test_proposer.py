@@ -27,9 +27,8 @@ def make_proposer(tiny_model, tiny_model_dir, tmp_path):
 
     def make(max_drafts=3, **options):
         # The fixed back-off unless a test asks for another rule: these tests pin how much is drafted.
-        options = {"heads": str(heads_dir), "min_path_prob": 0.0, "adaptive_draft_size": False,
-                   "batch_backoff_start": 4,
-                   **({} if options.get("adaptive_draft_size") else {"draft_size": "fixed"}), **options}
+        options = {"heads": str(heads_dir), "min_path_prob": 0.0, "batch_backoff_start": 4, "draft_size": "fixed",
+                   **options}
         return cpu_proposer(tiny_model, tiny_model_dir, options, max_drafts=max_drafts), heads, tiny_model
 
     return make
@@ -155,45 +154,6 @@ def test_prompt_lookup_replaces_the_heads_guess_where_the_context_repeats(make_p
     assert p.proposed_trees["b"].shape == p.static_shape
 
 
-class ScriptedSizes:
-    """Stands in for the draft-size controller: answers with set levels, keeps what it saw."""
-
-    def __init__(self, *levels):
-        self.levels, self.seen = list(levels), []
-
-    def next_level(self, batch_size, emitted, timed):
-        self.seen.append((batch_size, list(emitted), timed))
-        return self.levels.pop(0)
-
-
-def test_the_controllers_level_sets_the_chain_depth_and_the_tree_budget(make_proposer):
-    p, _, model = make_proposer(adaptive_draft_size=True, batch_backoff_start=None)
-    assert p.draft_sizes.max_level == 3  # chains of 0..3 tokens
-    p.draft_sizes = ScriptedSizes(2, 0)
-    p.capture_step(torch.randn(2, model.config.hidden_size), None, ["a", "b"], decode_only=True)
-    assert [len(d) for d in p.propose([[1], [2]])] == [2, 2]
-    # The next step: "a" accepted one draft, "c" is new (its prompt was prefilled).
-    p.capture_step(torch.randn(5, model.config.hidden_size), SimpleNamespace(num_draft_tokens=[2, 2, 0]),
-                   ["a", "b", "c"], decode_only=False)
-    assert p.propose([[5, 6], [7], [8]]) == [[], [], []]
-    assert p.draft_sizes.seen == [(2, [1, 1], True), (3, [2, 1], False)]
-
-    trees, _, model = make_proposer(max_drafts=8, tree="consensus", max_tree_nodes=8,
-                                    adaptive_draft_size=True, batch_backoff_start=None)
-    assert trees._tree_budgets == [1, 2, 4, 8] and trees.draft_sizes.max_level == 4
-    trees.draft_sizes = ScriptedSizes(2)
-    trees.capture_step(torch.randn(3, model.config.hidden_size), None, ["a", "b", "c"])
-    assert all(0 < len(d) <= 2 for d in trees.propose([[1], [2], [3]]))
-
-
-def test_learned_sizes_start_where_the_fixed_back_off_would_draft(make_proposer):
-    p, _, model = make_proposer(adaptive_draft_size=True, batch_backoff_start=2)
-    p.capture_step(torch.randn(8, model.config.hidden_size), None, list("abcdefgh"))
-    drafts = p.propose([[1]] * 8)
-    assert p.draft_sizes.current_level(8) == p.depth_for_batch(8) == 1
-    assert all(len(d) <= 1 for d in drafts) and any(drafts)
-
-
 class SharedBroadcast:
     """Two tensor-parallel ranks in one process, stepping in turn: rank 0's broadcast
     reaches rank 1 (vLLM's GroupCoordinator.broadcast_object, src=0)."""
@@ -219,44 +179,6 @@ class SharedBroadcast:
         return group
 
 
-def clock_where_level_costs(proposer, seconds_per_level):
-    """A clock that advances by what the level now in flight costs on this rank."""
-    now = [0.0]
-
-    def clock():
-        pending = proposer.draft_sizes._pending
-        now[0] += seconds_per_level[pending[2]] if pending else 0.01
-        return now[0]
-
-    return clock
-
-
-def draft_sizes_on_two_ranks(make_proposer, share: bool, steps=400):
-    from vllm_mtpspec.vllm.parallel import RankZeroDecision
-
-    ranks = [make_proposer(adaptive_draft_size=True, batch_backoff_start=None)[0] for _ in range(2)]
-    broadcast = SharedBroadcast()
-    # Rank 0's clock says drafting pays, rank 1's that it does not: alone they part ways.
-    for p, costs in zip(ranks, ([0.05, 0.05, 0.05, 0.05], [0.01, 0.05, 0.09, 0.2])):
-        p.draft_sizes._clock = clock_where_level_costs(p, costs)
-    if share:
-        for rank, p in enumerate(ranks):
-            p.__dict__["_rank_zero"] = RankZeroDecision(broadcast.rank(rank))
-    sizes = [[], []]
-    for _ in range(steps):
-        for rank, p in enumerate(ranks):
-            p._step_was_decode_only = True
-            sizes[rank].append(p._draft_size([[1, 2, 3]] * 2, ["a", "b"], {"a", "b"})[0])
-    return sizes
-
-
-def test_every_tensor_parallel_rank_drafts_what_rank_zero_decided(make_proposer):
-    alone = draft_sizes_on_two_ranks(make_proposer, share=False)
-    assert alone[0] != alone[1], "the two clocks must lead to different sizes for this test to mean anything"
-    shared = draft_sizes_on_two_ranks(make_proposer, share=True)
-    assert shared[0] == shared[1] and shared[0] == alone[0]
-
-
 def test_without_a_distributed_group_the_proposer_decides_alone():
     from vllm_mtpspec.vllm.parallel import RankZeroDecision, tensor_parallel_group
 
@@ -267,7 +189,7 @@ def test_without_a_distributed_group_the_proposer_decides_alone():
 
 def test_the_planners_lengths_cut_each_requests_chain(make_proposer):
     p, heads, model = make_proposer(draft_size="planned", batch_backoff_start=1)
-    assert p.planner is not None and p.draft_sizes is None
+    assert p.planner is not None
     hidden = torch.randn(3, model.config.hidden_size)
     offered = []
 

@@ -40,9 +40,8 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from vllm_mtpspec.adaptive import DecayingMean
 from vllm_mtpspec.plan_check import PlanCheck
-from vllm_mtpspec.step_cost import StepCosts
+from vllm_mtpspec.step_cost import DecayingMean, StepCosts
 
 
 @dataclass(frozen=True)

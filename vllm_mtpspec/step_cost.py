@@ -18,8 +18,22 @@ measure both sides.
 from __future__ import annotations
 
 import bisect
+from dataclasses import dataclass
 
-from vllm_mtpspec.adaptive import DecayingMean
+
+@dataclass
+class DecayingMean:
+    """A mean that forgets: weights decay by `decay` per added sample."""
+
+    decay: float
+    value: float = 0.0
+    weight: float = 0.0
+    samples: int = 0
+
+    def add(self, x: float, weight: float = 1.0) -> None:
+        self.weight = self.weight * self.decay + weight
+        self.value += (x - self.value) * weight / self.weight
+        self.samples += 1
 
 
 class StepCostCurve:

@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from vllm_mtpspec.checkpoint import check_heads_match_model, model_fingerprint, read_heads_config
-from vllm_mtpspec.config import ConfigError, HeadsConfig, SpecOptions
+from vllm_mtpspec.config import RETIRED_OPTIONS, ConfigError, HeadsConfig, SpecOptions
 
 METHOD = "mtpspec"
 PROPOSER_PATH = "vllm_mtpspec.vllm.proposer.MTPSpecProposer"
@@ -28,7 +28,7 @@ def translate(spec: dict[str, Any], additional_config: dict[str, Any] | None) ->
     for key, value in spec.items():
         if key in PASSTHROUGH_KEYS:
             vllm_spec[key] = value
-        elif key in known_options:
+        elif key in known_options or key in RETIRED_OPTIONS:  # a retired one is named below
             options[key] = value
         else:
             raise ConfigError(

@@ -3,9 +3,9 @@
 With tensor parallelism each rank builds its own proposer, and the heads' projection
 (`compute_logits`) and embedding are collectives: ranks that draft different sizes would
 hang or gather mismatched tensors, and verify by different rules. Anything a proposer
-decides from state one rank alone holds (its clock, for the learned draft size) is
-decided on rank 0 of the tensor-parallel group and broadcast; what follows from state
-every rank holds (the batch, the hidden states, the drafts) needs no sharing.
+decides from state one rank alone holds (its clock, by which the draft planner times
+steps) is decided on rank 0 of the tensor-parallel group and broadcast; what follows from
+state every rank holds (the batch, the hidden states, the drafts) needs no sharing.
 """
 from __future__ import annotations
 

@@ -16,16 +16,14 @@ Drafts are the heads' candidates:
 - prompt lookup (lookup.py, when prompt_lookup_max is set): where the context's last
   tokens occurred before, what followed them is the request's draft, as a chain, and
   the heads are not run for it.
-How much to draft (`draft_size`) follows one of three rules. "fixed": chain depth and
+How much to draft (`draft_size`) follows one of two rules. "fixed": chain depth and
 tree size shrink for large batches, where verifying extra tokens stops being free (sooner
-on CPUs). "learned": the draft-size controller (adaptive.py) starts from that rule and
-moves to the size with the most measured tokens per second. "planned": from
-batch_backoff_start requests up, the draft planner (draft_planner.py) gives each request
-the drafts whose expected accepted tokens are worth the verify time they add, by step
-costs it measures while serving, and skips the whole proposal (lookup included) for kinds
-of batch where no drafts have paid for its time; smaller batches draft whole chains. In a
-batch whose requests started together, only those that have made the fewest tokens are
-offered to the planner (cohort.py).
+on CPUs). "planned": from batch_backoff_start requests up, the draft planner
+(draft_planner.py) gives each request the drafts whose expected accepted tokens are worth
+the verify time they add, by step costs it measures while serving, and skips the whole
+proposal (lookup included) for kinds of batch where no drafts have paid for its time;
+smaller batches draft whole chains. In a batch whose requests started together, only
+those that have made the fewest tokens are offered to the planner (cohort.py).
 """
 from __future__ import annotations
 
@@ -37,7 +35,6 @@ from functools import cached_property
 
 import torch
 
-from vllm_mtpspec.adaptive import DraftSizeController
 from vllm_mtpspec.checkpoint import load_heads
 from vllm_mtpspec.cohort import GREEDY_PACED_FROM, CohortPacer
 from vllm_mtpspec.config import ConfigError
@@ -45,15 +42,22 @@ from vllm_mtpspec.draft_planner import Candidate, DraftPlanner
 from vllm_mtpspec.draft_vocab import SlicedLMHead
 from vllm_mtpspec.lookup import lookup_draft
 from vllm_mtpspec.quant.int8_dynamic import Int8Linear, int8_linears
-from vllm_mtpspec.tree import DraftTreeBuilder, TreeShape, chain_tree
+from vllm_mtpspec.tree import TreeShape, chain_tree
+from vllm_mtpspec.tree_builder import DraftTreeBuilder
+from vllm_mtpspec.vllm.block_context import BlockContexts, ScheduledRows
 from vllm_mtpspec.vllm.fallback import log_fallback_once
 from vllm_mtpspec.vllm.logs import logger
-from vllm_mtpspec.vllm.platform_defaults import (default_backoff_start, default_draft_size, draft_dtype, int8_drafting,
-                                                  platform_blocker, sampled_chains_verifier)
 from vllm_mtpspec.vllm.options import check_against_model, options_from_additional_config
 from vllm_mtpspec.vllm.parallel import RankZeroDecision, tensor_parallel_group
+from vllm_mtpspec.vllm.platform_defaults import (
+    default_backoff_start,
+    default_draft_size,
+    draft_dtype,
+    int8_drafting,
+    platform_blocker,
+    sampled_chains_verifier,
+)
 from vllm_mtpspec.vllm.rows import last_sampled_rows
-from vllm_mtpspec.vllm.block_context import BlockContexts, ScheduledRows
 from vllm_mtpspec.vllm.tree_step import ProposedTree
 from vllm_mtpspec.vllm.version import require_supported_vllm
 
@@ -115,13 +119,7 @@ class MTPSpecProposer:
         self.block_contexts: BlockContexts | None = None  # an attention draft block's caches (load_model)
         # The largest tree a step may send: the user's node budget within vLLM's.
         self.max_tree_budget = min(self.options.max_tree_nodes, self.max_drafts)
-        # Draft sizes the controller chooses between: level 0 drafts nothing; chains grow
-        # one token per level, trees double their node budget per level.
-        self._tree_budgets = self._budget_ladder() if self.uses_trees else []
-        # A chain of j tokens is the start of a longer one (lookup drafts too): nested levels.
-        # Each batch size starts where the fixed back-off would draft.
         self.draft_size_rule = self.options.draft_size_rule(default_draft_size())
-        self.draft_sizes = None
         self.planner = DraftPlanner(self.depth) if self.draft_size_rule == "planned" else None
         # Unset: "default" where the planner plans (sampled batches, and greedy ones from
         # GREEDY_PACED_FROM requests up).
@@ -133,20 +131,11 @@ class MTPSpecProposer:
         self.pacer = CohortPacer() if self.pacing != "never" else None
         self._paced: tuple[int, int] | None = None  # (may draft, running) at the last paced step
         self.paced_steps = 0  # steps paced so far
-        if self.draft_size_rule == "learned":
-            if self.uses_trees:
-                self.draft_sizes = DraftSizeController(
-                    len(self._tree_budgets),
-                    prior=lambda n: self._tree_budgets.index(self.tree_budget_for_batch(n)) + 1)
-            else:
-                self.draft_sizes = DraftSizeController(self.depth, prior=self.depth_for_batch, nested=True)
-        self._drafted_batch: set[str] | None = None  # requests of the last drafted step
-        self._last_size_log = time.monotonic()
+        self._last_size_log = time.monotonic()  # when the planner last logged what it knows
         start = self.batch_backoff_start
         logger.info("mtpspec: draft size %s: %s", self.draft_size_rule, {
             "fixed": f"whole drafts up to {start} running requests, one token fewer (half the tree nodes) per "
                      "doubling past it",
-            "learned": "per batch size, the size with the most measured tokens per second",
             "planned": f"whole chains below {start} running requests; from {start} up, each request's drafts as "
                        "far as their expected tokens are worth the verify time they add (measured while serving)",
         }[self.draft_size_rule])
@@ -173,10 +162,6 @@ class MTPSpecProposer:
         if self.planner is not None:
             held |= self.planner.held_requests()
         return held
-
-    def _budget_ladder(self) -> list[int]:
-        largest = self.max_tree_budget
-        return sorted({max(largest >> j, 1) for j in range(largest.bit_length())})
 
     def load_model(self, target_model) -> None:
         if self.uses_trees:
@@ -263,44 +248,19 @@ class MTPSpecProposer:
         """Half the tree nodes per doubling of the batch past batch_backoff_start."""
         return max(self.max_tree_budget >> self._doublings_past_backoff(num_requests), 1)
 
-    def _draft_size(self, sampled_token_ids, req_ids, live: set[str] | None,
-                    sampled: list[bool] | None = None) -> tuple[int, int]:
-        """(chain depth, tree node budget) for this step; live: the set of req_ids."""
-        num_requests = len(sampled_token_ids)
+    def _draft_size(self, num_requests: int, sampled: list[bool] | None = None) -> tuple[int, int]:
+        """(chain depth, tree node budget) for this step."""
         if sampled is not None:  # the planner plans this step: it cuts each request's chain itself, or rests
+            # Its step costs are timed by this process's clock: rank 0 decides for every
+            # tensor-parallel rank (parallel.py).
             proposing = self._rank_zero(lambda: self.planner.wants_proposal(num_requests, any(sampled)))
             return (self.depth, 0) if proposing else (0, 0)
-        if self.draft_sizes is None:
-            return self.depth_for_batch(num_requests), self.tree_budget_for_batch(num_requests)
-        drafted = self._drafted_batch
-        self._drafted_batch = live
-        emitted = [len(tokens) for i, tokens in enumerate(sampled_token_ids)
-                   if drafted is None or req_ids is None or req_ids[i] in drafted]
-        # The controller times steps by this process's clock: rank 0 decides for every
-        # tensor-parallel rank (parallel.py).
-        level = self._rank_zero(lambda: self.draft_sizes.next_level(num_requests, emitted,
-                                                                    timed=self._step_was_decode_only))
-        if self._rank_zero.decides_here:
-            self._log_draft_sizes(num_requests, level)
-        if not self.uses_trees:
-            return level, 0
-        return (self.depth, self._tree_budgets[level - 1]) if level else (0, 0)
+        return self.depth_for_batch(num_requests), self.tree_budget_for_batch(num_requests)
 
     @cached_property
     def _rank_zero(self) -> RankZeroDecision:
         # Resolved at the first drafted step: the worker's distributed state exists by then.
         return RankZeroDecision(tensor_parallel_group())
-
-    def _log_draft_sizes(self, num_requests: int, level: int) -> None:
-        if time.monotonic() - self._last_size_log < 60:
-            return
-        self._last_size_log = time.monotonic()
-        rates = self.draft_sizes.tokens_per_second(num_requests)
-        unit = "tree nodes" if self.uses_trees else "draft tokens"
-        sizes = [0] + (self._tree_budgets if self.uses_trees else list(range(1, self.depth + 1)))
-        measured = ", ".join(f"{sizes[lv]}: {rate:.1f}" for lv, rate in sorted(rates.items())) or "none yet"
-        logger.info("mtpspec: %d running requests: drafting %d %s; measured tokens/s by draft size: %s",
-                    num_requests, sizes[level], unit, measured)
 
     def _plans(self, num_requests: int) -> bool:
         """Whether the planner decides this step's drafts: from batch_backoff_start requests
@@ -338,7 +298,7 @@ class MTPSpecProposer:
         live = None if req_ids is None else set(req_ids)
         if live is not None:
             self.proposed_trees = {r: t for r, t in self.proposed_trees.items() if r in live}
-        depth, budget = self._draft_size(sampled_token_ids, req_ids, live, sampled)
+        depth, budget = self._draft_size(len(sampled_token_ids), sampled)
         if hidden_all is None or depth == 0:
             return drafts
         # The planner's own clock: what it compares drafting against is timed by it too.
