@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import time
 from pathlib import Path
@@ -153,9 +152,9 @@ def main() -> None:
         return
     from vllm import SamplingParams
 
-    from vllm_mtpspec.bench.command import _cpu_name
     from vllm_mtpspec.bench.in_process import in_process_engine
-    from vllm_mtpspec.cli import shipped_heads_dir
+    from vllm_mtpspec.bench.stamp import cpu, stamp
+    from vllm_mtpspec.shipped import shipped_heads_dir
 
     events: list[dict] = []
     install_recorder(events)
@@ -176,7 +175,7 @@ def main() -> None:
             tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
             rounds.append(dict(round=r, seconds=seconds, tokens=tokens, **summarize(events[first:])))
             print(json.dumps(rounds[-1]))
-    result = dict(machine=f"{_cpu_name()}, {os.cpu_count()} CPUs", batch_size=args.batch_size,
+    result = dict(machine=f"{cpu()['model']}, {cpu()['count']} CPUs", stamp=stamp(), batch_size=args.batch_size,
                   temperature=args.temperature, dtype=args.dtype, speculation=args.speculation,
                   pace_cohorts=args.pace_cohorts, rounds=rounds, all=summarize(events), events=events)
     Path(args.json).write_text(json.dumps(result, indent=1))

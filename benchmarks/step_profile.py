@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import subprocess
 import sys
@@ -59,7 +58,7 @@ def speculative_config(name: str) -> dict | None:
     if not k.isdigit() or family not in ("ngram", "mtpspec", "default", "idle"):
         raise SystemExit(f"--configs: {name!r}: give {CONFIG_NAMES}")
     from vllm_mtpspec.bench.methods import build_methods
-    from vllm_mtpspec.cli import shipped_heads_dir
+    from vllm_mtpspec.shipped import shipped_heads_dir
 
     method, = build_methods(["ngram" if family == "ngram" else "mtpspec-chain"], model_dir="",
                             heads_dirs=[str(shipped_heads_dir())], num_heads=[int(k)], quants=["fp"], tree="chain",
@@ -235,9 +234,9 @@ def main() -> None:
                 runs[config].append(timing if args.no_profile else dict(per_step(out), **timing))
                 print(f"round {r + 1}, {config}: {timing['tokens'] / timing['seconds']:.1f} tokens/s"
                       + ("" if args.no_profile else f", {runs[config][-1]['steps']} steps"), flush=True)
-    from vllm_mtpspec.bench.command import _cpu_name
+    from vllm_mtpspec.bench.stamp import cpu, stamp
 
-    machine = dict(machine=f"{_cpu_name()}, {os.cpu_count()} CPUs")
+    machine = dict(machine=f"{cpu()['model']}, {cpu()['count']} CPUs", stamp=stamp())
     if args.no_profile:
         report_timings(runs, configs, Path(args.json), dict(**machine, batch_size=args.batch_size,
                                                            temperature=args.temperature, rounds=args.rounds))

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import signal
 import sys
 import time
 import traceback
@@ -48,7 +49,29 @@ def _delta(after: dict, before: dict) -> dict:
     return out
 
 
+class PausedBetweenTurns:
+    """Stops a worker's whole process group while other engines are timed. An idle vLLM
+    engine still spends about a fifth of a core (its threads keep polling); with seven
+    engines on two cores that is more than a core taken from the engine being measured.
+    A stopped process spends nothing, so a 7-engine run times what a 2-engine run does."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid = pid  # the worker leads its own process group (_serve calls os.setpgrp)
+        self.paused = False
+
+    def pause(self) -> None:
+        if not self.paused:
+            os.killpg(self.pid, signal.SIGSTOP)
+            self.paused = True
+
+    def resume(self) -> None:
+        if self.paused:
+            os.killpg(self.pid, signal.SIGCONT)
+            self.paused = False
+
+
 def _serve(conn, model: str, engine: dict, speculative_config: dict | None, log_path: str) -> None:
+    os.setpgrp()  # a group of its own, which the parent pauses whole between its turns
     log = open(log_path, "a", buffering=1)
     os.dup2(log.fileno(), sys.stdout.fileno())
     os.dup2(log.fileno(), sys.stderr.fileno())
@@ -90,16 +113,26 @@ class EngineWorker:
         self._process = context.Process(target=_serve, args=(child, model, engine, speculative_config, log_path),
                                         daemon=True)
         self._process.start()
+        self._turns = PausedBetweenTurns(self._process.pid)
         self.log_path = log_path
 
     def wait_ready(self) -> str | None:
-        """None when the engine is up, else the error that stopped it."""
+        """None when the engine is up (and paused until its first batch), else the error
+        that stopped it."""
         reply = self._receive()
-        return None if reply.get("ready") else reply["error"]
+        if reply.get("ready"):
+            self._turns.pause()
+            return None
+        return reply["error"]
 
     def generate(self, batch: Batch) -> dict:
-        self._conn.send(batch)
-        reply = self._receive()
+        self._turns.resume()
+        try:
+            self._conn.send(batch)
+            reply = self._receive()
+        finally:
+            if self._process.is_alive():
+                self._turns.pause()
         if "error" in reply:
             raise RuntimeError(f"{self.name}: {reply['error']} (log: {self.log_path})")
         return reply
@@ -111,6 +144,8 @@ class EngineWorker:
         return self._conn.recv()
 
     def close(self) -> None:
+        if self._process.is_alive():
+            self._turns.resume()
         try:
             self._conn.send(None)
         except (BrokenPipeError, OSError):
