@@ -317,12 +317,12 @@ def test_reference_decoding_with_a_block_is_lossless_and_drafts_what_the_scorer_
     only repeats one token, where a shifted cache goes unseen)."""
     from types import SimpleNamespace
 
-    from training.answers import shard_from_answers
-    from training.evaluate import block_answer_logits
     from vllm_mtpspec.config import SpecOptions
     from vllm_mtpspec.drafter import drafter_for
     from vllm_mtpspec.prompts import apply_chat_template
     from vllm_mtpspec.reference import ReferenceDecoder, plain_greedy
+    from vllm_mtpspec_train.answers import shard_from_answers
+    from vllm_mtpspec_train.evaluate import block_answer_logits
 
     model, tokenizer = smollm2_fp32.model, smollm2_fp32.tokenizer
     text = "Copy this list twice: apple, pear, plum, fig, lime, kiwi."
@@ -592,12 +592,12 @@ def test_rows_wait_for_a_draft_and_run_together_once_a_request_holds_enough():
 
 @torch.no_grad()
 def test_the_held_out_replay_grows_at_every_answer_row_the_tree_a_drafter_fed_up_to_it_grows(monkeypatch):
-    """training.evaluate.block_grown_trees_along against the reference drafter fed the
+    """vllm_mtpspec_train.evaluate.block_grown_trees_along against the reference drafter fed the
     shard's rows up to each answer row: the same trees, path probabilities included."""
-    import training.evaluate
-    from training.evaluate import block_grown_trees_along
+    import vllm_mtpspec_train.evaluate
     from vllm_mtpspec.drafter import BlockDrafter
     from vllm_mtpspec.grown_tree import grow_trees
+    from vllm_mtpspec_train.evaluate import block_grown_trees_along
 
     block = make_block(num_heads=3).float()
     features, embed, tokens = random_sequence(16)
@@ -614,7 +614,7 @@ def test_the_held_out_replay_grows_at_every_answer_row_the_tree_a_drafter_fed_up
         trees = grow_trees(*args, **kwargs)
         replayed.extend(trees)
         return trees
-    monkeypatch.setattr(training.evaluate, "grow_trees", recording)
+    monkeypatch.setattr(vllm_mtpspec_train.evaluate, "grow_trees", recording)
     tree = dict(max_nodes=10, top_k=3, min_path_prob=0.0)
     paths = block_grown_trees_along(block, shard, 0, lambda g: g @ lm_head.T, embed, chunk=3, **tree)
     assert len(paths) == len(replayed) == 8
@@ -646,18 +646,17 @@ def test_reference_decoding_with_the_trained_block_growing_trees_is_lossless(smo
     """The shipped-format trained block (reading layers 2, 15 and 27) grows dynamic trees
     on the real SmolLM2: the output is the model's own, trees of several branches are
     verified, and the block's cache ends holding exactly the accepted positions."""
-    from pathlib import Path
-
     from vllm_mtpspec.config import SpecOptions
     from vllm_mtpspec.drafter import drafter_for
     from vllm_mtpspec.prompts import apply_chat_template
     from vllm_mtpspec.reference import ReferenceDecoder, plain_greedy
+    from vllm_mtpspec.shipped import shipped_heads_dir
 
     model, tokenizer = smollm2_fp32.model, smollm2_fp32.tokenizer
     text = "Write a Python function that returns the squares of the even numbers in a list."
     prompt = tokenizer.encode(apply_chat_template(tokenizer, text), add_special_tokens=False)
     expected = plain_greedy(model, prompt, max_new_tokens=48, eos_token_ids=set())
-    block = load_heads(Path(__file__).parent.parent / "data" / "heads" / "smollm2-135m-instruct-block-v2-layers")
+    block = load_heads(shipped_heads_dir())  # the shipped drafter is a trained block
     drafter = drafter_for(block, model)
     options = SpecOptions(tree="dynamic", max_tree_nodes=12, dynamic_top_k=3, min_path_prob=0.0,
                           prompt_lookup_max=0)
@@ -870,8 +869,8 @@ def test_shards_keep_the_states_entering_the_layers_a_block_reads(tiny_model):
     (what vLLM's aux_hidden_states hold), at the answer rows and the kept prompt rows."""
     from types import SimpleNamespace
 
-    from training.answers import shard_from_answers
-    from training.examples import ShardsError, answer_sequence
+    from vllm_mtpspec.shards import ShardsError, answer_sequence
+    from vllm_mtpspec_train.answers import shard_from_answers
 
     prompt, answer = [3, 14, 15, 92, 65], [35, 89, 79]
     shard = shard_from_answers(SimpleNamespace(model=tiny_model), ["a"], ["general"], [prompt], [answer],

@@ -145,7 +145,7 @@ def test_a_calibrated_method_without_calibration_is_refused(tiny_model, tiny_mod
 
 def test_the_shipped_int2_heads_are_the_shipped_heads_by_gptq_refit(tmp_path):
     from vllm_mtpspec.checkpoint import load_heads
-    from vllm_mtpspec.cli import shipped_heads_dir, shipped_int2_heads_dir
+    from vllm_mtpspec.shipped import shipped_heads_dir, shipped_int2_heads_dir
 
     fp_dir = shipped_heads_dir()
     int2_dir = shipped_int2_heads_dir(fp_dir)
@@ -154,5 +154,7 @@ def test_the_shipped_int2_heads_are_the_shipped_heads_by_gptq_refit(tmp_path):
     fp, int2 = load_heads(fp_dir), load_heads(int2_dir)
     assert int2.is_quantized and int2.config.quantization.method == "gptq-refit"
     assert int2.config.base_model_fingerprint == fp.config.base_model_fingerprint
-    assert (int2.config.num_heads, int2.config.mlp_size, int2.config.head_input) == \
-        (fp.config.num_heads, fp.config.mlp_size, fp.config.head_input)
+    assert (int2.config.head_kind, int2.config.num_heads, int2.config.block, int2.config.head_input) == \
+        (fp.config.head_kind, fp.config.num_heads, fp.config.block, fp.config.head_input)
+    # It drafts among the same tokens as the full-precision form.
+    assert torch.equal(int2.draft_vocab, fp.draft_vocab)

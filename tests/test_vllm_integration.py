@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from vllm_mtpspec.cli import shipped_heads_dir
+from vllm_mtpspec.shipped import shipped_heads_dir
 
 pytestmark = pytest.mark.slow
 
@@ -25,11 +25,19 @@ PROMPTS = [
 MAX_TOKENS = 32
 # Tests of the tree path draft from the heads at a pinned size (the fixed back-off, never
 # reached at these batch sizes, and no prompt lookup): they check verification, not the
-# draft-size controller or where drafts come from.
-HEADS_FIXED_SIZE = {"adaptive_draft_size": False, "batch_backoff_start": 64, "prompt_lookup_max": 0}
+# draft-size rule or where drafts come from.
+HEADS_FIXED_SIZE = {"draft_size": "fixed", "batch_backoff_start": 64, "prompt_lookup_max": 0}
 ENGINE = dict(dtype="float32", max_model_len=768, kv_cache_memory_bytes=128 << 20, enforce_eager=True,
               enable_prefix_caching=True, enable_chunked_prefill=True, max_num_batched_tokens=64,
               max_num_seqs=8, disable_log_stats=False)
+
+
+PARALLEL_HEADS = Path(__file__).parents[1] / "data" / "heads" / "smollm2-135m-instruct-small-parallel-int2"
+
+
+def heads_for_tree(tree: str, shipped, parallel):
+    """The shipped block grows dynamic trees; fixed-shape trees come from parallel heads."""
+    return shipped if tree == "dynamic" else parallel
 
 
 def build(model_dir, **kwargs):
@@ -49,13 +57,6 @@ def greedy(llm):
 
     outs = llm.generate(chat_prompts(llm), SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS), use_tqdm=False)
     return [list(o.outputs[0].token_ids) for o in outs]
-
-
-def measured_draft_sizes(worker) -> dict[int, dict[int, float]]:
-    """For LLM.collective_rpc: batch size -> draft size -> tokens/s, as the proposer's
-    draft-size controller measured them."""
-    controller = worker.model_runner.drafter.draft_sizes
-    return {b: controller.tokens_per_second(b) for b in (1, 2, 4, 8)}
 
 
 def planned_step_costs(worker) -> dict[int, list[int]]:
@@ -89,6 +90,13 @@ def heads_dir():
     path = shipped_heads_dir()
     assert path is not None, "the trained SmolLM2 heads ship with the package"
     return path
+
+
+@pytest.fixture(scope="module")
+def parallel_heads_dir():
+    """Small trained parallel heads (INT2) for the tree shapes that independent heads draft
+    (consensus, static): the shipped drafter is an attention block, which grows its trees."""
+    return PARALLEL_HEADS
 
 
 @pytest.fixture(scope="module")
@@ -127,7 +135,7 @@ def test_untied_int2_heads_load_and_stay_lossless(model_dir, untied_int2_heads_d
     assert metrics["vllm:spec_decode_num_drafts"] > 0
 
 
-@pytest.mark.parametrize("which,draft_size", [("fp", "learned"), ("int2", "planned")])
+@pytest.mark.parametrize("which,draft_size", [("fp", "fixed"), ("int2", "planned")])
 def test_greedy_output_is_unchanged_and_drafts_are_accepted(model_dir, heads_dir, int2_heads_dir, baseline, which,
                                                             draft_size):
     heads = heads_dir if which == "fp" else int2_heads_dir
@@ -135,10 +143,10 @@ def test_greedy_output_is_unchanged_and_drafts_are_accepted(model_dir, heads_dir
                                                "draft_size": draft_size})
     outputs = greedy(llm)
     metrics = spec_metrics(llm)
-    measured = llm.collective_rpc(measured_draft_sizes if draft_size == "learned" else planned_step_costs)[0]
+    measured = llm.collective_rpc(planned_step_costs)[0] if draft_size == "planned" else None
     close(llm)
-    # The draft-size controller (or the planner) timed the steps once prompts were prefilled.
-    assert any(measured.values()), measured
+    # The planner timed the steps once prompts were prefilled.
+    assert measured is None or any(measured.values()), measured
     assert [len(o) for o in outputs] == [len(b) for b in baseline]
     assert outputs == baseline
     assert metrics["vllm:spec_decode_num_drafts"] > 0
@@ -226,6 +234,8 @@ def test_sampled_steps_without_drafts_sample_as_vllm_alone(model_dir, heads_dir,
     ({"num_speculative_tokens": 9}, "num_speculative_tokens=9 but the heads directory has only"),
     ({"bogus_option": 1}, "unknown option 'bogus_option'"),
     ({"tree": "bushy"}, "unknown tree preset"),
+    ({"adaptive_draft_size": True}, "option 'adaptive_draft_size' was retired; .*give draft_size='planned'"),
+    ({"draft_size": "learned"}, "draft_size='learned' was retired .*draft_size='planned' for chains"),
 ])
 def test_bad_configuration_fails_at_start_up(model_dir, heads_dir, spec, error):
     config = {"method": "mtpspec", "model": str(heads_dir), **spec}
@@ -297,10 +307,11 @@ def tree_stats_delta(run):
 
 
 @pytest.mark.parametrize("tree", ["consensus", "dynamic"])
-def test_tree_greedy_output_is_unchanged(model_dir, heads_dir, baseline, tree):
+def test_tree_greedy_output_is_unchanged(model_dir, heads_dir, parallel_heads_dir, baseline, tree):
     """Chunked prefill with a 64-token budget also cuts trees to breadth-first prefixes."""
     from vllm_mtpspec.checkpoint import read_heads_config
 
+    heads_dir = heads_for_tree(tree, heads_dir, parallel_heads_dir)
     spec = {"method": "mtpspec", "model": str(heads_dir), "tree": tree, **HEADS_FIXED_SIZE}
     llm = build(model_dir, speculative_config=spec)
     outputs, stats = tree_stats_delta(lambda: greedy(llm))
@@ -321,15 +332,15 @@ def test_tree_greedy_output_is_unchanged(model_dir, heads_dir, baseline, tree):
     assert all(a >= b for a, b in zip(per_pos, per_pos[1:])), per_pos
 
 
-def test_prompt_lookup_drafts_keep_greedy_output_unchanged(model_dir, heads_dir, baseline, monkeypatch):
+def test_prompt_lookup_drafts_keep_greedy_output_unchanged(model_dir, parallel_heads_dir, baseline, monkeypatch):
     """Requests whose context repeats get a looked-up chain, the rest the heads' tree."""
     from vllm_mtpspec.vllm import proposer
 
     found = []
     lookup = proposer.lookup_draft
     monkeypatch.setattr(proposer, "lookup_draft", lambda *a, **kw: found.append(draft := lookup(*a, **kw)) or draft)
-    llm = build(model_dir, speculative_config={"method": "mtpspec", "model": str(heads_dir), "tree": "consensus",
-                                               **HEADS_FIXED_SIZE, "prompt_lookup_max": 4})
+    llm = build(model_dir, speculative_config={"method": "mtpspec", "model": str(parallel_heads_dir),
+                                               "tree": "consensus", **HEADS_FIXED_SIZE, "prompt_lookup_max": 4})
     outputs, stats = tree_stats_delta(lambda: greedy(llm))
     close(llm)
     assert outputs == baseline
@@ -338,10 +349,11 @@ def test_prompt_lookup_drafts_keep_greedy_output_unchanged(model_dir, heads_dir,
 
 
 @pytest.mark.parametrize("tree", ["consensus", "dynamic"])
-def test_tree_survives_preemption(model_dir, heads_dir, baseline, tree):
+def test_tree_survives_preemption(model_dir, heads_dir, parallel_heads_dir, baseline, tree):
     small = {**ENGINE, "max_model_len": 256, "kv_cache_memory_bytes": 16 << 20, "block_size": 32}
     from vllm import LLM
 
+    heads_dir = heads_for_tree(tree, heads_dir, parallel_heads_dir)
     llm = LLM(str(model_dir), **small,
               speculative_config={"method": "mtpspec", "model": str(heads_dir), "tree": tree, **HEADS_FIXED_SIZE})
     outputs, stats = tree_stats_delta(lambda: greedy(llm))
@@ -352,7 +364,7 @@ def test_tree_survives_preemption(model_dir, heads_dir, baseline, tree):
     assert outputs == baseline
 
 
-def test_mixed_batch_of_tree_and_fallback_requests(model_dir, heads_dir, monkeypatch, caplog):
+def test_mixed_batch_of_tree_and_fallback_requests(model_dir, parallel_heads_dir, monkeypatch, caplog):
     """Penalties and logprobs need a chain; plain requests in the same batch keep their
     trees; everyone's greedy output equals the output without speculation."""
     import logging
@@ -377,8 +389,8 @@ def test_mixed_batch_of_tree_and_fallback_requests(model_dir, heads_dir, monkeyp
         return result
 
     expected, expected_logprobs = without_speculation()  # the engine is gone before the next starts
-    llm = build(model_dir, speculative_config={"method": "mtpspec", "model": str(heads_dir), "tree": "consensus",
-                                               **HEADS_FIXED_SIZE})
+    llm = build(model_dir, speculative_config={"method": "mtpspec", "model": str(parallel_heads_dir),
+                                               "tree": "consensus", **HEADS_FIXED_SIZE})
     # mtpspec's lines go where vLLM's go (vllm/logs.py), which do not propagate to the root.
     ours = logging.getLogger("vllm.mtpspec")
     ours.addHandler(caplog.handler)
@@ -447,11 +459,8 @@ def random_layer_block_dir(model_dir, tmp_path_factory):
     return save_heads(block.with_draft_vocab(draft_ids), tmp_path_factory.mktemp("layer-block"))
 
 
-TRAINED_BLOCK = Path(__file__).parent.parent / "data" / "heads" / "smollm2-135m-instruct-block-v2-layers"
-
-
 @pytest.fixture(scope="module")
-def int2_block_dir(tmp_path_factory):
+def int2_block_dir(heads_dir, tmp_path_factory):
     """The trained draft block (reading layers 2, 15 and 27) in INT2 (round-to-nearest),
     drafting among the 16,384 lowest token ids, so that every draft reads the token table
     DraftBlock.prepare_drafting made from its codes' values."""
@@ -459,7 +468,7 @@ def int2_block_dir(tmp_path_factory):
 
     from vllm_mtpspec.checkpoint import load_heads, save_heads
 
-    int2 = load_heads(TRAINED_BLOCK).quantized(group_size=64)
+    int2 = load_heads(heads_dir).quantized(group_size=64)
     return save_heads(int2.with_draft_vocab(torch.arange(16384)), tmp_path_factory.mktemp("int2-block"))
 
 
@@ -506,7 +515,7 @@ def test_a_draft_blocks_caches_hold_every_accepted_position_and_nothing_else(mod
     trees = "growing trees" in engine
     reads_layers = "reading layers" in engine or trees
     # A trained block, so that trees keep nodes off their first branch.
-    block_dir = TRAINED_BLOCK if trees else random_layer_block_dir if reads_layers else random_block_dir
+    block_dir = shipped_heads_dir() if trees else random_layer_block_dir if reads_layers else random_block_dir
     layers_read = json.loads((Path(block_dir) / "config.json").read_text())["block"]["feature_layers"]
     taken = []  # (request, first position, states, token embeddings, layer states) of entries kept
     current, drafting = {}, []
@@ -628,12 +637,13 @@ def held_requests(worker) -> list[str]:
     return sorted(worker.model_runner.drafter.held_requests())
 
 
-@pytest.mark.parametrize("heads", ["shipped, consensus tree", "draft block, planned chains"])
-def test_finished_and_aborted_requests_leave_nothing_in_the_proposer(model_dir, heads_dir, random_block_dir, heads):
+@pytest.mark.parametrize("heads", ["parallel, consensus tree", "draft block, planned chains"])
+def test_finished_and_aborted_requests_leave_nothing_in_the_proposer(model_dir, parallel_heads_dir, random_block_dir,
+                                                                     heads):
     from vllm import SamplingParams
 
-    spec = ({"model": str(heads_dir), "tree": "consensus", **HEADS_FIXED_SIZE, "min_path_prob": 0.0}
-            if heads.startswith("shipped") else
+    spec = ({"model": str(parallel_heads_dir), "tree": "consensus", **HEADS_FIXED_SIZE, "min_path_prob": 0.0}
+            if heads.startswith("parallel") else
             {"model": str(random_block_dir), "num_speculative_tokens": 3, "draft_size": "planned"})
     llm = build(model_dir, speculative_config={"method": "mtpspec", **spec})
     engine = llm.llm_engine
@@ -683,29 +693,48 @@ def test_mtpspec_info_lines_reach_vllms_log_handler_in_a_vllm_process():
     assert "below the level" not in out.stdout + out.stderr
 
 
-@pytest.fixture(scope="module")
-def sequential_heads_dir(heads_dir, tmp_path_factory):
-    """Sequential heads seeded from the shipped ones (every depth their head 1), drafting
-    among the 16,384 lowest token ids: the id map is exercised on every draft."""
+def full_precision_parallel_heads():
+    """The small parallel heads with every matrix the values its INT2 codes stand for."""
     import torch
 
-    from vllm_mtpspec.checkpoint import load_heads, save_heads
+    from vllm_mtpspec.checkpoint import load_heads
+    from vllm_mtpspec.config import HeadsConfig
+    from vllm_mtpspec.heads import MTPHeads
+    from vllm_mtpspec.quant.int2 import dequantize_int2
+
+    int2 = load_heads(PARALLEL_HEADS)
+    heads = MTPHeads(HeadsConfig.from_dict({**int2.config.to_dict(), "quantization": None}))
+    with torch.no_grad():
+        for name, module in heads.named_modules():
+            if isinstance(module, torch.nn.Linear):
+                quantized = int2.get_submodule(name)
+                module.weight.copy_(dequantize_int2(quantized.qweight))
+                if module.bias is not None:
+                    module.bias.copy_(quantized.bias)
+    return heads
+
+
+@pytest.fixture(scope="module")
+def sequential_heads_dir(tmp_path_factory):
+    """Sequential heads seeded from the small parallel ones (every depth their head 1),
+    drafting among the 16,384 lowest token ids: the id map is exercised on every draft."""
+    import torch
+
+    from vllm_mtpspec.checkpoint import save_heads
     from vllm_mtpspec.sequential_heads import SequentialHeads
 
-    heads = SequentialHeads.from_parallel(load_heads(heads_dir, dtype=torch.float32))
+    heads = SequentialHeads.from_parallel(full_precision_parallel_heads())
     return save_heads(heads.with_draft_vocab(torch.arange(16384)), tmp_path_factory.mktemp("sequential"))
 
 
 @pytest.fixture(scope="module")
-def sequential_int2_heads_dir(heads_dir, tmp_path_factory):
+def sequential_int2_heads_dir(tmp_path_factory):
     """The same sequential heads over the whole vocabulary, in INT2 (round to nearest)."""
-    import torch
-
-    from vllm_mtpspec.checkpoint import load_heads, save_heads
+    from vllm_mtpspec.checkpoint import save_heads
     from vllm_mtpspec.config import HeadsConfig
     from vllm_mtpspec.sequential_heads import SequentialHeads
 
-    seeded = SequentialHeads.from_parallel(load_heads(heads_dir, dtype=torch.float32))
+    seeded = SequentialHeads.from_parallel(full_precision_parallel_heads())
     heads = SequentialHeads(HeadsConfig.from_dict({**seeded.config.to_dict(), "draft_vocab_size": 0}))
     heads.load_state_dict({k: v for k, v in seeded.state_dict().items() if k != "draft_token_ids"})
     assert heads.draft_vocab is None
