@@ -47,6 +47,7 @@ heads_old = old.DraftBlock(heads_new.config)
 heads_old.load_state_dict(heads_new.state_dict())
 from vllm_mtpspec.models import resolve_model  # noqa: E402
 from vllm_mtpspec.weights import embedding_and_lm_head  # noqa: E402
+
 embed, lm_head = embedding_and_lm_head(resolve_model("smollm2-135m-instruct", dtype="fp32"))
 d = heads_new.config.hidden_size
 if args.int8:

@@ -18,11 +18,11 @@ import json
 
 import torch
 
-from training.data import list_shards
-from training.examples import shard_examples
 from vllm_mtpspec.checkpoint import load_heads
 from vllm_mtpspec.models import fetch_model
+from vllm_mtpspec.shards import list_shards
 from vllm_mtpspec.weights import embedding_and_lm_head
+from vllm_mtpspec_train.examples import shard_examples
 
 
 @torch.no_grad()

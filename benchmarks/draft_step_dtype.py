@@ -14,8 +14,8 @@ import platform
 from pathlib import Path
 
 import torch
-
 from timing import median_ms
+
 from vllm_mtpspec.checkpoint import load_heads
 from vllm_mtpspec.models import resolve_model
 from vllm_mtpspec.quant.int8_dynamic import Int8Linear, int8_linears

@@ -3,7 +3,7 @@ accepted length and drafting time, N by N.
 
 The vocabulary is the N most frequent tokens of the training answers (`mtpspec heads
 draft-vocab`); coverage is the share of held-out answer tokens it holds; top-1 and the
-chain's accepted length come from the held-out scorer (training/evaluate.py, the target's
+chain's accepted length come from the held-out scorer (vllm_mtpspec_train/evaluate.py, the target's
 greedy answers teacher-forced); drafting time is one draft step of the heads (their
 layers, the projection onto the N rows, softmax and top-1: what the proposer runs) at
 batch 1 and 8, in the dtype given.
@@ -17,15 +17,16 @@ import platform
 from pathlib import Path
 
 import torch
-
 from timing import median_ms
-from training.data import list_shards
-from training.evaluate import evaluate_heads
+
 from vllm_mtpspec.checkpoint import load_heads
-from vllm_mtpspec.cli import answer_token_arrays, shipped_heads_dir
+from vllm_mtpspec.cli import answer_token_arrays
 from vllm_mtpspec.draft_vocab import coverage, most_frequent_tokens
 from vllm_mtpspec.models import resolve_model
+from vllm_mtpspec.shards import list_shards
+from vllm_mtpspec.shipped import shipped_heads_dir
 from vllm_mtpspec.weights import embedding_and_lm_head
+from vllm_mtpspec_train.evaluate import evaluate_heads
 
 DATA = "data/self-distilled/smollm2-135m-instruct"
 
@@ -51,7 +52,7 @@ def main() -> None:
     parser.add_argument("--train-answers", default=f"{DATA}/train")
     parser.add_argument("--held-out-answers", default=f"{DATA}/held-out")
     parser.add_argument("--held-out-shards", default="runs/sharegpt-sd/held-out",
-                        help="teacher-forced shards of the held-out answers (python -m training.data)")
+                        help="teacher-forced shards of the held-out answers (python -m vllm_mtpspec_train.data)")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=30)
     parser.add_argument("--json", default=None)

@@ -6,11 +6,11 @@ evaluation, without training): for comparing heads versions on the same held-out
 import argparse
 import json
 
-from training.data import list_shards
-from training.evaluate import evaluate_heads
 from vllm_mtpspec.checkpoint import load_heads
 from vllm_mtpspec.models import resolve_model
+from vllm_mtpspec.shards import list_shards
 from vllm_mtpspec.weights import embedding_and_lm_head
+from vllm_mtpspec_train.evaluate import evaluate_heads
 
 
 def main() -> None:

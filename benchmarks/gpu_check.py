@@ -168,7 +168,7 @@ def sampled_first_token_distance(device, trials=20_000, vocab=16) -> float:
 
 def check_heads(device, report) -> None:
     from vllm_mtpspec.checkpoint import load_heads
-    from vllm_mtpspec.cli import shipped_heads_dir
+    from vllm_mtpspec.shipped import shipped_heads_dir
 
     for dtype in (torch.float16, torch.bfloat16):
         heads = load_heads(shipped_heads_dir(), device=device, dtype=dtype)

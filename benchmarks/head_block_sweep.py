@@ -24,15 +24,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from training.data import list_shards
-from training.evaluate import evaluate_heads
-from training.examples import load_examples
-from training.losses import mtp_losses
 from vllm_mtpspec.checkpoint import load_heads
 from vllm_mtpspec.config import HeadsConfig
 from vllm_mtpspec.heads import MTPHeads
 from vllm_mtpspec.models import resolve_model
+from vllm_mtpspec.shards import list_shards
 from vllm_mtpspec.weights import embedding_and_lm_head
+from vllm_mtpspec_train.evaluate import evaluate_heads
+from vllm_mtpspec_train.examples import load_examples
+from vllm_mtpspec_train.losses import mtp_losses
 
 SHIPPED = "vllm_mtpspec/shipped_heads/smollm2-135m-instruct"
 K, D = 4, 576

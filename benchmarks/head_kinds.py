@@ -2,7 +2,7 @@
 depth i is right when depths 1..i-1 were), the chain's mean accepted length for k = 2..6,
 parameters, and one draft step's time at batch 1.
 
-The answers are the target's own greedy answers, teacher-forced (training/evaluate.py);
+The answers are the target's own greedy answers, teacher-forced (vllm_mtpspec_train/evaluate.py);
 a chain of k drafts at answer row r keeps its drafts up to the first wrong one, plus the
 target's token, and the next step starts after them. Parallel heads draft as many depths
 as they have; an attention block is applied again for every deeper draft, so it runs to
@@ -27,16 +27,16 @@ import platform
 from pathlib import Path
 
 import torch
-
 from timing import median_ms
-from training.data import list_shards
-from training.evaluate import conditional_hits, draft_logits_along, replay_tree
+
 from vllm_mtpspec.checkpoint import load_heads
 from vllm_mtpspec.cli import heads_summary
 from vllm_mtpspec.config import HeadsConfig
 from vllm_mtpspec.models import resolve_model
+from vllm_mtpspec.shards import list_shards
 from vllm_mtpspec.tree import chain_tree
 from vllm_mtpspec.weights import embedding_and_lm_head
+from vllm_mtpspec_train.evaluate import conditional_hits, draft_logits_along, replay_tree
 
 MAX_K = 6
 
@@ -115,7 +115,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--heads", required=True, help="heads directories, comma-separated")
     parser.add_argument("--shards", default="runs/sd-ctx/held-out",
-                        help="held-out shards with prompt rows (python -m training.data --context-rows 512)")
+                        help="held-out shards with prompt rows (python -m vllm_mtpspec_train.data --context-rows 512)")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=30)
     parser.add_argument("--json", default=None)

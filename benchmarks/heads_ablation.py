@@ -1,6 +1,6 @@
 """Heads trained different ways, side by side on the same held-out prompts.
 
-Each run directory is what `mtpspec train --config training/configs/ablations/NAME.json`
+Each run directory is what `mtpspec train --config vllm_mtpspec_train/configs/ablations/NAME.json`
 wrote (its train_summary.json holds the held-out metrics of the FP heads and their INT2
 copy). Medusa-1's published per-head top-1 for Vicuna-7B is printed alongside.
 

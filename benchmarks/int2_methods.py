@@ -5,23 +5,23 @@
         --methods rtn,search,gptq --group-sizes 64 --out benchmarks/results/int2_methods
 
 Calibration rows come from training shards (never the held-out ones); `qat` starts from
-GPTQ and trains on all the calibration shards' rows (training/quantize_aware.py). For every method:
+GPTQ and trains on all the calibration shards' rows (vllm_mtpspec_train/quantize_aware.py). For every method:
 per-head top-1, chain and consensus accepted length (the training job's evaluation,
-training/evaluate.py), bytes and bits per weight; written as JSON and a Markdown table.
+vllm_mtpspec_train/evaluate.py), bytes and bits per weight; written as JSON and a Markdown table.
 """
 import argparse
 import json
 import time
 from pathlib import Path
 
-from training.data import list_shards
-from training.evaluate import evaluate_heads
 from vllm_mtpspec.calibration_data import heads_statistics_from_shards
 from vllm_mtpspec.checkpoint import load_heads, save_heads
 from vllm_mtpspec.cli import heads_summary
 from vllm_mtpspec.heads_quant import quantize_heads
 from vllm_mtpspec.models import resolve_model
+from vllm_mtpspec.shards import list_shards
 from vllm_mtpspec.weights import embedding_and_lm_head
+from vllm_mtpspec_train.evaluate import evaluate_heads
 
 
 def main() -> None:
@@ -62,8 +62,8 @@ def main() -> None:
         for method in args.methods.split(","):
             started = time.perf_counter()
             if method == "qat":
-                from training.examples import load_examples
-                from training.quantize_aware import quantize_aware
+                from vllm_mtpspec_train.examples import load_examples
+                from vllm_mtpspec_train.quantize_aware import quantize_aware
 
                 examples = load_examples(list_shards(args.calibration), heads.num_heads)
                 quantized = quantize_aware(heads, examples, lm_head=lm_head, embed=embed, steps=args.qat_steps,

@@ -8,11 +8,11 @@ import time
 
 import torch
 
-from training.modules import PosthocModule
 from vllm_mtpspec.heads_init import init_heads
 from vllm_mtpspec.models import resolve_model
 from vllm_mtpspec.target import load_target
 from vllm_mtpspec.weights import embedding_and_lm_head
+from vllm_mtpspec_train.modules import PosthocModule
 
 
 def main() -> None:

@@ -7,6 +7,12 @@ export HF_HUB_OFFLINE=1 VLLM_NO_USAGE_STATS=1 TOKENIZERS_PARALLELISM=false
 # Keep vLLM's and the compilers' caches inside the run, not in the user's home.
 export MTPSPEC_TEST_TMP=${MTPSPEC_TEST_TMP:-$(mktemp -d)}
 export VLLM_CACHE_ROOT="$MTPSPEC_TEST_TMP/vllm" TORCHINDUCTOR_CACHE_DIR="$MTPSPEC_TEST_TMP/inductor"
+# Lint first: a finding fails the run before any test starts.
+if ! .venv/bin/ruff check --quiet .; then
+    echo "run_tests: ruff check found problems (fix them, or \`.venv/bin/ruff check --fix .\` for the safe ones)" >&2
+    exit 1
+fi
+echo "ruff: clean"
 .venv/bin/python -m pytest -ra --durations=15 "$@"
 status=$?
 if [ "$status" -eq 5 ]; then

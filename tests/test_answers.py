@@ -5,10 +5,11 @@ import numpy as np
 import pytest
 import torch
 
-from training.answers import AnswersError, answers_path, read_answers, shards_from_answers, write_answers
-from training.data import list_shards
+from vllm_mtpspec.answers import AnswersError, answers_path, read_answers, write_answers
 from vllm_mtpspec.checkpoint import model_fingerprint
+from vllm_mtpspec.shards import list_shards
 from vllm_mtpspec.target import load_target
+from vllm_mtpspec_train.answers import shards_from_answers
 
 IDS, CATEGORIES = ["a", "b"], ["code", "general"]
 PROMPTS = [[1, 2, 3], [4, 5]]
@@ -85,8 +86,8 @@ def test_shards_are_rebuilt_from_answers_by_teacher_forcing(tiny_smol_teacher, t
 
 
 def test_an_answers_folder_of_another_prompt_list_is_refused_before_generating(tmp_path):
-    from training.data import _answered, generate_answers
     from vllm_mtpspec.prompts import Prompt
+    from vllm_mtpspec_train.data import _answered, generate_answers
 
     write_example(answers_path(tmp_path, 0))  # answers prompts "a", "b"
     prompts = [Prompt("x", "general", pid) for pid in ("a", "b", "c")]
@@ -99,7 +100,7 @@ def test_an_answers_folder_of_another_prompt_list_is_refused_before_generating(t
 
 
 def test_shards_can_carry_the_prompt_rows_before_each_answer(tiny_smol_teacher, tmp_path):
-    from training.examples import answer_sequence
+    from vllm_mtpspec.shards import answer_sequence
 
     target = load_target(str(tiny_smol_teacher))
     prompt = target.tokenizer.encode("Name three colours, please.", add_special_tokens=False)

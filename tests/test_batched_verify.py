@@ -3,8 +3,20 @@ import random
 
 import torch
 
-from vllm_mtpspec.batched_verify import (TreeBatch, draw_from, draw_uniforms, emitted_tokens, greedy_hits,
-                                         read_verdicts, residual_draw, sampled_hits, stop_rows, walk)
+from vllm_mtpspec.batched_verify import (
+    TreeBatch,
+    draw_from,
+    draw_uniforms,
+    emitted_tokens,
+    greedy_hits,
+    read_verdicts,
+    residual_draw,
+    sampled_hits,
+    stop_rows,
+    walk,
+)
+from vllm_mtpspec.tree import tree_from_paths
+from vllm_mtpspec.verify import verify_greedy
 
 CPU = torch.device("cpu")
 
@@ -24,8 +36,6 @@ def verify_sampled_batch(batch, probs, generator):
     bonus = residual_draw(batch, edges, probs, stops, draw_uniforms(len(batch.roots), CPU,
                                                                     [(range(len(batch.roots)), generator)]))
     return read_verdicts(batch, emitted_tokens(edges, walked, accepted, bonus), walked)
-from vllm_mtpspec.tree import tree_from_paths
-from vllm_mtpspec.verify import verify_greedy
 
 
 def random_shape(rng: random.Random, num_nodes: int):

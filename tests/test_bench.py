@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from vllm_mtpspec.bench.draft_model import truncated_copy
-from vllm_mtpspec.bench.methods import Method, build_methods
+from vllm_mtpspec.bench.methods import DRAFT_SIZES, Method, build_methods
 from vllm_mtpspec.bench.prompts import load_bench_prompts
 from vllm_mtpspec.bench.report import markdown, plot, summarize
 from vllm_mtpspec.bench.runner import Tally, batches_for
@@ -34,6 +34,22 @@ def test_unknown_methods_are_named(tmp_path):
     with pytest.raises(ValueError, match="unknown \\['medusa'\\]"):
         build_methods(["none", "medusa"], model_dir="m", heads_dirs=["h"], num_heads=[2], quants=["fp"],
                       tree="consensus", work_dir=tmp_path)
+
+
+def test_without_a_tree_asked_each_heads_kind_picks_its_preset(tmp_path, tiny_model, tiny_model_dir):
+    from vllm_mtpspec.checkpoint import save_heads
+    from vllm_mtpspec.heads_init import init_draft_block, init_heads
+
+    parallel = save_heads(init_heads(tiny_model, tiny_model_dir, num_heads=2), tmp_path / "parallel")
+    block = save_heads(init_draft_block(tiny_model, tiny_model_dir, num_heads=2), tmp_path / "block")
+    methods = build_methods(["mtpspec-tree"], model_dir="m", heads_dirs=[str(parallel), str(block)], num_heads=[2],
+                            quants=["fp"], tree=None, work_dir=tmp_path)
+    assert [m.speculative_config["tree"] for m in methods] == ["consensus", "dynamic"]
+    assert all(m.unavailable is None for m in methods)
+    # A tree asked for is drafted as asked, or refused with the reason where the kind cannot.
+    asked = build_methods(["mtpspec-tree"], model_dir="m", heads_dirs=[str(block)], num_heads=[2], quants=["fp"],
+                          tree="consensus", work_dir=tmp_path)
+    assert "drafts chains and dynamic trees only" in asked[0].unavailable
 
 
 def test_mtpspec_variants_per_head_count_and_prompt_lookup(tmp_path):
@@ -124,7 +140,8 @@ def test_bench_end_to_end_writes_json_markdown_and_plot(tmp_path):
     from PIL import Image
 
     from vllm_mtpspec.checkpoint import read_heads_config
-    from vllm_mtpspec.cli import main, shipped_heads_dir
+    from vllm_mtpspec.cli import main
+    from vllm_mtpspec.shipped import shipped_heads_dir
 
     out = tmp_path / "bench"
     code = main(["bench", "--prompts", "humaneval", "--num-prompts", "2", "--methods", "none,mtpspec-tree",
@@ -137,27 +154,27 @@ def test_bench_end_to_end_writes_json_markdown_and_plot(tmp_path):
     assert all(r["identical_greedy_output"] for r in tree_rows)
     assert all(r["output_tokens"] == 2 * 8 for r in result["rows"])  # ignore_eos: every method decodes the same
     assert all(r["mean_accepted_length"] and r["mean_accepted_length"] >= 1 for r in tree_rows)
-    # The shipped heads' row names their draft vocabulary, where they have one.
-    vocab = read_heads_config(shipped_heads_dir()).draft_vocab_size
-    label = "mtpspec-consensus k=3 n<=8" + (f" vocab={vocab}" if vocab else "")
+    # No --tree: the shipped heads' kind picks the preset. Their row names their draft
+    # vocabulary, where they have one.
+    config = read_heads_config(shipped_heads_dir())
+    vocab = config.draft_vocab_size
+    label = f"mtpspec-{config.default_tree()} k=3 n<=8" + (f" vocab={vocab}" if vocab else "")
     assert f"| {label} | 1 |" in (tmp_path / "bench.md").read_text()
     with Image.open(f"{out}.png") as image:
         assert image.size[0] > 1000
 
 
-def test_draft_size_variants_default_fixed_learned_and_planned(tmp_path):
+def test_draft_size_variants_default_fixed_and_planned(tmp_path):
     from vllm_mtpspec.config import SpecOptions
 
     methods = build_methods(["mtpspec-chain"], model_dir="m", heads_dirs=["h"], num_heads=[3], quants=["fp"],
-                            tree="consensus", work_dir=tmp_path,
-                            draft_sizes=["default", "fixed", "adaptive", "planned"])
+                            tree="consensus", work_dir=tmp_path, draft_sizes=["default", "fixed", "planned"])
     assert [m.name for m in methods] == ["mtpspec-chain k=3 +lookup", "mtpspec-chain k=3 +lookup fixed-size",
-                                         "mtpspec-chain k=3 +lookup adaptive-size",
                                          "mtpspec-chain k=3 +lookup planned-size"]
     options = [SpecOptions.from_dict({k: v for k, v in m.speculative_config.items() if k not in ("method", "model")})
                for m in methods]
     # The default row leaves the rule to the platform: here one whose default is "planned".
-    assert [o.draft_size_rule("planned") for o in options] == ["planned", "fixed", "learned", "planned"]
+    assert [o.draft_size_rule("planned") for o in options] == ["planned", "fixed", "planned"]
 
 
 def test_a_second_engine_without_speculation_measures_the_noise(tmp_path):
@@ -169,8 +186,8 @@ def test_a_second_engine_without_speculation_measures_the_noise(tmp_path):
 def test_an_unknown_draft_size_is_named(capsys):
     from vllm_mtpspec.bench.command import _choices
 
-    with pytest.raises(SystemExit, match="--draft-size: 'learned': choose from fixed, adaptive"):
-        _choices("learned", ("fixed", "adaptive"), "--draft-size")
+    with pytest.raises(SystemExit, match="--draft-size: 'learned': choose from default, fixed, planned"):
+        _choices("learned", DRAFT_SIZES, "--draft-size")
 
 
 def test_rows_of_several_heads_are_labelled_by_kind_draft_vocabulary_and_name(tiny_model, tiny_model_dir, tmp_path):
@@ -324,8 +341,7 @@ def test_a_blocks_int2_row_serves_its_int2_copy_and_int2_heads_get_one_row_label
 
 def test_a_tree_row_the_heads_cannot_draft_is_reported_not_run(tiny_model, tiny_model_dir, tmp_path):
     from vllm_mtpspec.checkpoint import save_heads
-    from vllm_mtpspec.heads_init import init_heads
-    from vllm_mtpspec.heads_init import init_draft_block
+    from vllm_mtpspec.heads_init import init_draft_block, init_heads
     from vllm_mtpspec.sequential_heads import SequentialHeads
 
     block = save_heads(init_draft_block(tiny_model, tiny_model_dir, num_heads=2), tmp_path / "b1")
@@ -364,3 +380,43 @@ def test_the_heads_memory_table_gives_untied_figures_for_parallel_heads_only(tin
     rows = heads_memory(str(int2), str(tiny_model_dir), None, name="b-int2")  # an INT2 directory, as it is
     assert [(r["heads"], r["quant"]) for r in rows] == [("draft block [b-int2]", "int2")]
     assert rows[0]["bytes"] == (int2 / "heads.safetensors").stat().st_size < rows[0]["model_bytes"]
+
+
+def _spin_in_own_group() -> None:
+    import os
+
+    os.setpgrp()
+    while True:
+        pass
+
+
+def _cpu_ticks_and_state(pid: int) -> tuple[int, str]:
+    fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
+    return int(fields[11]) + int(fields[12]), fields[0]  # utime + stime, state
+
+
+def test_an_engine_waiting_for_its_turn_spends_no_cpu():
+    """Engines are paused whole between their turns, so idle ones cannot slow the one
+    being timed; resumed, they run again."""
+    import multiprocessing
+    import time
+
+    from vllm_mtpspec.bench.worker import PausedBetweenTurns
+
+    process = multiprocessing.get_context("fork").Process(target=_spin_in_own_group, daemon=True)
+    process.start()
+    try:
+        time.sleep(0.3)  # the child has made its own process group
+        turns = PausedBetweenTurns(process.pid)
+        turns.pause()
+        time.sleep(0.1)  # SIGSTOP lands
+        paused_ticks, state = _cpu_ticks_and_state(process.pid)
+        time.sleep(0.5)
+        assert state == "T" and _cpu_ticks_and_state(process.pid) == (paused_ticks, "T")
+        turns.resume()
+        time.sleep(0.5)
+        ticks, state = _cpu_ticks_and_state(process.pid)
+        assert state != "T" and ticks > paused_ticks
+    finally:
+        process.kill()
+        process.join()

@@ -1,4 +1,4 @@
-"""The one-GPU trainer of the attention draft block (training/block_gpu.py) must train on
+"""The one-GPU trainer of the attention draft block (vllm_mtpspec_train/block_gpu.py) must train on
 exactly the examples the Ray job's BlockModule reads from shards: the same rows, targets,
 teacher distributions and unrolled chains. Run here on the CPU with a tiny random Llama."""
 from __future__ import annotations
@@ -32,10 +32,10 @@ def test_chains_of_chosen_rows_are_the_rows_of_the_full_unrolled_pass(feature_la
 
 @torch.no_grad()
 def test_recorded_rows_and_batches_are_the_shards_examples(tiny_model):
-    from training.answers import shard_from_answers
-    from training.block_gpu import batch_examples, record_rows, score, unrolled_states
-    from training.examples import answer_sequence, shard_examples
-    from training.modules import unroll_sequences
+    from vllm_mtpspec.shards import answer_sequence, unroll_sequences
+    from vllm_mtpspec_train.answers import shard_from_answers
+    from vllm_mtpspec_train.block_gpu import batch_examples, record_rows, score, unrolled_states
+    from vllm_mtpspec_train.examples import shard_examples
 
     torch.manual_seed(2)
     pairs = [(torch.randint(0, 256, (n,)).tolist(), torch.randint(0, 256, (m,)).tolist())
@@ -71,7 +71,7 @@ def test_recorded_rows_and_batches_are_the_shards_examples(tiny_model):
 
 
 def test_length_batches_keep_padded_rows_within_the_budget():
-    from training.block_gpu import _length_batches
+    from vllm_mtpspec_train.block_gpu import _length_batches
 
     lengths = [5, 9, 3, 12, 7, 30]
     batches = _length_batches(lengths, 24, sorted(range(6), key=lambda i: lengths[i]))
@@ -81,16 +81,16 @@ def test_length_batches_keep_padded_rows_within_the_budget():
 
 
 def test_heads_trained_elsewhere_are_calibrated_and_kept_in_their_dtype(tiny_model, tiny_model_dir, tmp_path):
-    """python -m training.export: temperatures fitted and rank accuracies measured on the
+    """python -m vllm_mtpspec_train.export: temperatures fitted and rank accuracies measured on the
     held-out shards, the weights written back as they came (fp16), the run's log drawn."""
     import json
 
-    from training.answers import shard_from_answers
-    from training.data import write_shard
-    from training.evaluate import TEMPERATURE_GRID
-    from training.export import main
     from vllm_mtpspec.checkpoint import load_heads, save_heads, stored_dtype
     from vllm_mtpspec.heads_init import init_draft_block
+    from vllm_mtpspec.shards import write_shard
+    from vllm_mtpspec_train.answers import shard_from_answers
+    from vllm_mtpspec_train.evaluate import TEMPERATURE_GRID
+    from vllm_mtpspec_train.export import main
 
     torch.manual_seed(3)
     run = tmp_path / "run"
@@ -118,9 +118,9 @@ def test_heads_trained_elsewhere_are_calibrated_and_kept_in_their_dtype(tiny_mod
 
 
 def test_conditional_hits_count_a_depth_only_while_the_chain_before_it_is_right():
-    """The held-out scorers' shared count (training/evaluate.py), along one answer and from
+    """The held-out scorers' shared count (vllm_mtpspec_train/evaluate.py), along one answer and from
     per-row targets (what block_gpu.score gives it)."""
-    from training.evaluate import chain_hits, conditional_hits
+    from vllm_mtpspec_train.evaluate import chain_hits, conditional_hits
 
     tokens = torch.tensor([5, 6, 7, 8, 9])
     top1 = torch.tensor([[6, 7],      # both right

@@ -9,7 +9,8 @@ import torch
 from vllm_mtpspec.cli import build_parser, main
 
 SUBCOMMANDS = [[], ["models"], ["models", "fetch"], ["models", "list"], ["heads"], ["heads", "init"],
-               ["heads", "info"], ["heads", "quantize"], ["heads", "cast"], ["heads", "draft-vocab"], ["decode"], ["demo"]]
+               ["heads", "info"], ["heads", "quantize"], ["heads", "cast"], ["heads", "draft-vocab"], ["decode"], ["demo"],
+               ["eval-heads"]]
 
 
 @pytest.mark.parametrize("words", SUBCOMMANDS, ids=lambda w: " ".join(w) or "mtpspec")
@@ -24,6 +25,45 @@ def test_every_subcommand_has_help(words, capsys):
 def test_console_script_is_installed():
     proc = subprocess.run([sys.executable, "-m", "vllm_mtpspec.cli", "--help"], capture_output=True, text=True)
     assert proc.returncode == 0 and "decode" in proc.stdout
+
+
+def test_the_training_commands_come_from_entry_points_and_train_owns_its_flags(capsys):
+    """train and eval-heads live in vllm_mtpspec_train, registered under mtpspec.commands
+    (the library never imports that package); train's arguments all go to the Ray job."""
+    from importlib.metadata import entry_points
+
+    assert {e.name for e in entry_points(group="mtpspec.commands")} >= {"train", "eval-heads"}
+    with pytest.raises(SystemExit) as exit_info:
+        main(["train", "--help"])
+    assert exit_info.value.code == 0 and "usage: mtpspec train" in capsys.readouterr().out
+    assert main(["train", "--config", "/no/such/config.json", "--max-steps", "3"]) == 2
+    assert "training config /no/such/config.json does not exist" in capsys.readouterr().err
+
+
+def test_without_the_training_package_its_commands_name_the_extra_to_install(monkeypatch, capsys):
+    import vllm_mtpspec.cli
+
+    monkeypatch.setattr(vllm_mtpspec.cli, "entry_points", lambda group: [])
+    for command in (["train", "--config", "c.json"], ["eval-heads", "--model", "m"]):
+        assert main(command) == 2
+        assert 'the training package is not installed; install the training job with: pip install ' \
+               '"vllm-mtpspec[train]"' in capsys.readouterr().err
+
+
+def test_a_missing_module_of_the_train_extra_is_named_with_the_extra(capsys):
+    from vllm_mtpspec_train.commands import needs_train_extra
+
+    def needs_ray():
+        raise ModuleNotFoundError("No module named 'ray'", name="ray")
+
+    def has_a_bug():
+        raise ModuleNotFoundError("No module named 'vllm_mtpspec.missing'", name="vllm_mtpspec.missing")
+
+    assert needs_train_extra("train", needs_ray) == 2
+    assert 'ray is not installed; the training job needs the train extra: pip install "vllm-mtpspec[train]"' \
+        in capsys.readouterr().err
+    with pytest.raises(ModuleNotFoundError):  # not the extra's: a real error, raised as it is
+        needs_train_extra("train", has_a_bug)
 
 
 def test_heads_init_info_quantize_on_a_model_folder(tiny_model_dir, tmp_path, capsys):
@@ -82,8 +122,8 @@ def test_errors_name_the_problem_and_exit_2(tiny_model_dir, tmp_path, capsys):
 
 
 def test_heads_quantize_calibrated_on_shards(tiny_model_dir, tmp_path, capsys):
-    from training.data import write_shard
     from vllm_mtpspec.checkpoint import load_heads
+    from vllm_mtpspec.shards import write_shard
 
     out = tmp_path / "h"
     main(["heads", "init", "--model", str(tiny_model_dir), "--num-heads", "2", "--head-input", "hidden+token",
@@ -104,7 +144,7 @@ def test_heads_quantize_calibrated_on_shards(tiny_model_dir, tmp_path, capsys):
 
 
 def test_heads_draft_vocab_keeps_the_most_frequent_answer_tokens(tiny_model_dir, tmp_path, capsys):
-    from training.answers import answers_path, write_answers
+    from vllm_mtpspec.answers import answers_path, write_answers
     from vllm_mtpspec.checkpoint import load_heads
 
     out = tmp_path / "heads"
@@ -136,8 +176,9 @@ def scored(heads, shards, model, capsys) -> str:
 
 def test_a_draft_block_is_made_inspected_quantized_and_scored_and_refused_data_it_cannot_read(tiny_smol_teacher,
                                                                                              tmp_path, capsys):
-    from training.answers import answers_path, shards_from_answers, write_answers
+    from vllm_mtpspec.answers import answers_path, write_answers
     from vllm_mtpspec.checkpoint import load_heads, model_fingerprint
+    from vllm_mtpspec_train.answers import shards_from_answers
 
     out = tmp_path / "block"
     assert main(["heads", "init", "--model", str(tiny_smol_teacher), "--kind", "attention", "--num-heads", "2",
@@ -184,8 +225,9 @@ def test_every_head_kind_is_inspected_cast_and_scored_with_and_without_a_draft_v
     import torch
     from safetensors import safe_open
 
-    from training.answers import answers_path, shards_from_answers, write_answers
+    from vllm_mtpspec.answers import answers_path, write_answers
     from vllm_mtpspec.checkpoint import load_heads, model_fingerprint
+    from vllm_mtpspec_train.answers import shards_from_answers
 
     out = tmp_path / kind
     assert main(["heads", "init", "--model", str(tiny_smol_teacher), "--kind", kind, "--num-heads", "3",

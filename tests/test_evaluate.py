@@ -2,8 +2,8 @@
 import pytest
 import torch
 
-from training.evaluate import replay_tree
 from vllm_mtpspec.tree import chain_tree, tree_from_paths
+from vllm_mtpspec_train.evaluate import replay_tree
 
 
 def test_replay_accepts_the_longest_right_path_and_adds_the_bonus_token():
@@ -29,9 +29,9 @@ def test_a_looked_up_chain_replaces_the_heads_where_there_is_one():
 def test_scores_are_reported_per_context_length_bucket(tmp_path, tiny_model, tiny_model_dir):
     """Two answers, one after a short prompt and one after a long conversation: each lands in
     its own bucket, with its own rows."""
-    from training.data import write_shard
-    from training.evaluate import context_bucket, evaluate_heads
     from vllm_mtpspec.heads_init import init_heads
+    from vllm_mtpspec.shards import write_shard
+    from vllm_mtpspec_train.evaluate import context_bucket, evaluate_heads
 
     assert [context_bucket(n) for n in (1, 256, 257, 1024, 1500)] == ["<=256", "<=256", "257-512", "513-1024",
                                                                        ">1024"]
@@ -51,9 +51,9 @@ def test_scores_are_reported_per_context_length_bucket(tmp_path, tiny_model, tin
 
 
 def test_scores_are_reported_per_source_folder(tmp_path, tiny_model, tiny_model_dir):
-    from training.data import write_shard
-    from training.evaluate import evaluate_heads
     from vllm_mtpspec.heads_init import init_heads
+    from vllm_mtpspec.shards import write_shard
+    from vllm_mtpspec_train.evaluate import evaluate_heads
 
     d, vocab = tiny_model.config.hidden_size, tiny_model.config.vocab_size
     for folder, n in (("first-turns", 10), ("later-turns", 16)):
@@ -74,12 +74,12 @@ def test_scores_are_reported_per_source_folder(tmp_path, tiny_model, tiny_model_
 def test_replayed_grown_trees_accept_what_the_reference_decoder_accepts(tmp_path, tiny_model, tiny_model_dir):
     """Sequential heads' dynamic trees, replayed along the model's own greedy answer from
     its recorded states, accept exactly what decoding with them accepts step by step."""
-    from training.data import write_shard
-    from training.evaluate import evaluate_heads, grown_trees_along, replay_trees
     from vllm_mtpspec.config import SpecOptions
     from vllm_mtpspec.drafter import HeadsDrafter
     from vllm_mtpspec.heads_init import init_heads
     from vllm_mtpspec.reference import ReferenceDecoder
+    from vllm_mtpspec.shards import write_shard
+    from vllm_mtpspec_train.evaluate import evaluate_heads, grown_trees_along, replay_trees
 
     heads = init_heads(tiny_model, tiny_model_dir, num_heads=3, head_input="hidden+token", init_std=0.3, seed=1,
                        head_kind="sequential")
@@ -116,14 +116,14 @@ def test_replayed_block_trees_accept_what_the_reference_decoder_accepts(tmp_path
     """An attention draft block's dynamic trees, replayed along the model's own greedy
     answer from its recorded states (the prompt's rows before it), are the trees decoding
     grows step by step, path probabilities included, and accept what they accept."""
-    import training.evaluate
     import vllm_mtpspec.grown_tree
-    from training.data import write_shard
-    from training.evaluate import block_grown_trees_along, evaluate_heads, replay_trees
+    import vllm_mtpspec_train.evaluate
     from vllm_mtpspec.config import SpecOptions
     from vllm_mtpspec.drafter import BlockDrafter
     from vllm_mtpspec.heads_init import init_draft_block
     from vllm_mtpspec.reference import ReferenceDecoder
+    from vllm_mtpspec.shards import write_shard
+    from vllm_mtpspec_train.evaluate import block_grown_trees_along, evaluate_heads, replay_trees
 
     block = init_draft_block(tiny_model, tiny_model_dir, num_heads=3).float().eval()
     with torch.no_grad():  # sure enough of its drafts (the tiny model's repeated token) to pass min_path_prob
@@ -154,7 +154,7 @@ def test_replayed_block_trees_accept_what_the_reference_decoder_accepts(tmp_path
     report = evaluate_heads(block, sorted(tmp_path.glob("shard-*.pt")), lm_head=lm_head, embed=embed,
                             max_tree_nodes=6, prompt_lookup=None)
     assert set(report["mean_accepted_len"]) == {"chain", "dynamic"} and report["tree_nodes"]["dynamic"] == 6
-    monkeypatch.setattr(training.evaluate, "grow_trees", recording("replay"))
+    monkeypatch.setattr(vllm_mtpspec_train.evaluate, "grow_trees", recording("replay"))
     trees = block_grown_trees_along(block, shard, 0, block.lm_head_for(lm_head), embed, max_nodes=6,
                                     top_k=options.dynamic_top_k, min_path_prob=options.min_path_prob)
     row = 0  # the answer row each decoding step drafted from

@@ -5,7 +5,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from vllm_mtpspec.cli import shipped_heads_dir
+from vllm_mtpspec.shipped import shipped_heads_dir
 
 
 @pytest.fixture(scope="module")

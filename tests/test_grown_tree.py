@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from vllm_mtpspec.grown_tree import grow_trees
-from vllm_mtpspec.tree import DraftTreeBuilder
+from vllm_mtpspec.tree_builder import DraftTreeBuilder
 
 VOCAB = 3
 

@@ -2,7 +2,7 @@
 import torch
 import torch.nn.functional as F
 
-from training.losses import candidate_set, mtp_losses
+from vllm_mtpspec_train.losses import candidate_set, mtp_losses
 
 B, K, D, V, TOPK = 6, 3, 8, 64, 4
 

@@ -3,9 +3,10 @@ import json
 
 from transformers import AutoTokenizer
 
-from training.data import encode_prompt
-from training.prompts import HELD_OUT_EVERY, is_held_out, load_prompt_source, sharegpt_later_turns
 from vllm_mtpspec.prompts import Prompt
+from vllm_mtpspec.sharegpt import HELD_OUT_EVERY, is_held_out, sharegpt_later_turns
+from vllm_mtpspec_train.data import encode_prompt
+from vllm_mtpspec_train.prompts import load_prompt_source
 
 
 def write_sharegpt(path, records, *, cut_off=False):
@@ -85,7 +86,7 @@ def write_dataframebench_wheel(path, train_tasks, *, other_splits=()):
 
 
 def test_dataframebench_reads_the_train_split_only_and_fills_its_library_placeholders(tmp_path):
-    from training.dataframebench import dataframebench_prompts
+    from vllm_mtpspec_train.dataframebench import dataframebench_prompts
 
     stub = "Sum a column.\n{library_instruction}\n{library_import}\ndef task_func(df):\n    return {'a': 1}"
     wheel = write_dataframebench_wheel(tmp_path / "dfb.whl", [{"task_id": "DFB/T0001", "prompt": stub}],
@@ -99,8 +100,8 @@ def test_dataframebench_reads_the_train_split_only_and_fills_its_library_placeho
 def test_a_damaged_dataframebench_wheel_is_refused_naming_the_file_and_line(tmp_path):
     import pytest
 
-    from training.dataframebench import dataframebench_prompts
     from vllm_mtpspec.prompts import PromptsError
+    from vllm_mtpspec_train.dataframebench import dataframebench_prompts
 
     (tmp_path / "junk.whl").write_text("not a zip")
     with pytest.raises(PromptsError, match="junk.whl: not a dataframebench wheel.*delete it"):
@@ -111,7 +112,7 @@ def test_a_damaged_dataframebench_wheel_is_refused_naming_the_file_and_line(tmp_
 
 
 def test_the_real_dataframebench_train_split(tmp_path, monkeypatch):
-    from training.dataframebench import WHEEL, dataframebench_prompts
+    from vllm_mtpspec_train.dataframebench import WHEEL, dataframebench_prompts
 
     monkeypatch.setenv("MTPSPEC_CACHE", str(tmp_path))
     prompts = load_prompt_source("dataframebench")  # downloads the wheel into the cache

@@ -3,7 +3,11 @@ import torch
 
 from tests.interpreter import run_under_triton_interpreter
 from vllm_mtpspec.quant import (
-    Int2Linear, QuantError, dequantize_int2, int2_matmul_reference, quantize_int2,
+    Int2Linear,
+    QuantError,
+    dequantize_int2,
+    int2_matmul_reference,
+    quantize_int2,
 )
 from vllm_mtpspec.quant.int2 import Int2Weight, pack_codes, unpack_codes
 

@@ -5,9 +5,9 @@ import pytest
 import torch
 from torch import nn
 
-from training.config import TrainConfig, TrainConfigError
 from vllm_mtpspec.quant import dequantize_int2, quantize_int2
 from vllm_mtpspec.quant.fake_int2 import attach, pack
+from vllm_mtpspec_train.config import TrainConfig, TrainConfigError
 
 
 def test_a_weight_on_its_codes_packs_back_to_the_same_bytes_and_gradients_reach_the_ranges():
@@ -36,10 +36,10 @@ def examples_for(heads, n=600, seed=0):
 
 
 def test_quantize_aware_steps_lower_the_loss_of_the_int2_heads(tiny_model, tiny_model_dir, tmp_path):
-    from training.modules import PosthocModule
-    from training.quantize_aware import quantize_aware
     from vllm_mtpspec.checkpoint import load_heads, save_heads
     from vllm_mtpspec.heads_init import init_heads
+    from vllm_mtpspec_train.modules import PosthocModule
+    from vllm_mtpspec_train.quantize_aware import quantize_aware
 
     heads = init_heads(tiny_model, tiny_model_dir, num_heads=2, head_input="hidden+token", mlp_size=64,
                        init_std=0.05, seed=0).float()
@@ -72,9 +72,9 @@ def test_the_training_config_refuses_int2_options_that_cannot_apply():
 
 
 def test_with_no_steps_the_result_is_gptqs(tiny_model, tiny_model_dir):
-    from training.quantize_aware import quantize_aware, statistics_from_examples
     from vllm_mtpspec.heads_init import init_heads
     from vllm_mtpspec.heads_quant import quantize_heads
+    from vllm_mtpspec_train.quantize_aware import quantize_aware, statistics_from_examples
 
     heads = init_heads(tiny_model, tiny_model_dir, num_heads=2, head_input="hidden+token", mlp_size=64,
                        init_std=0.05, seed=1).float()

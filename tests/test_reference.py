@@ -1,5 +1,4 @@
 import pytest
-import torch
 
 from tests.oracle import OracleDrafter
 from vllm_mtpspec.config import SpecOptions

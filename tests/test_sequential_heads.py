@@ -6,10 +6,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from tests.stats import TRIALS, assert_follows
 from tests.proposers import cpu_proposer
-from training.losses import mtp_losses
-from training.modules import PosthocModule
+from tests.stats import TRIALS, assert_follows
 from vllm_mtpspec.checkpoint import HeadsError, load_heads, save_heads
 from vllm_mtpspec.config import ConfigError, HeadsConfig, SpecOptions
 from vllm_mtpspec.drafter import HeadsDrafter
@@ -18,8 +16,11 @@ from vllm_mtpspec.heads_init import init_heads
 from vllm_mtpspec.heads_quant import head_linears, input_statistics
 from vllm_mtpspec.reference import ReferenceDecoder, plain_greedy
 from vllm_mtpspec.sequential_heads import SequentialHeads, chain_tokens, example_chain_tokens
-from vllm_mtpspec.tree import DraftTreeBuilder, chain_tree
+from vllm_mtpspec.tree import chain_tree
+from vllm_mtpspec.tree_builder import DraftTreeBuilder
 from vllm_mtpspec.verify import verify_sampled
+from vllm_mtpspec_train.losses import mtp_losses
+from vllm_mtpspec_train.modules import PosthocModule
 
 D, VOCAB = 16, 40
 

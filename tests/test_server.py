@@ -13,8 +13,8 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    from vllm_mtpspec.cli import shipped_heads_dir
     from vllm_mtpspec.models import fetch_model
+    from vllm_mtpspec.shipped import shipped_heads_dir
 
     model = str(fetch_model("smollm2-135m-instruct", dtype="fp32"))
     log = tmp_path_factory.mktemp("server") / "server.log"

@@ -29,7 +29,7 @@ def model():
 
 @pytest.fixture
 def heads_copy(tmp_path):
-    from vllm_mtpspec.cli import shipped_heads_dir
+    from vllm_mtpspec.shipped import shipped_heads_dir
 
     return shutil.copytree(shipped_heads_dir(), tmp_path / "heads")
 

@@ -47,8 +47,8 @@ def tokenizer():
 
 @pytest.fixture(scope="module")
 def servers(tmp_path_factory):
-    from vllm_mtpspec.cli import shipped_heads_dir
     from vllm_mtpspec.models import fetch_model
+    from vllm_mtpspec.shipped import shipped_heads_dir
 
     model = str(fetch_model("smollm2-135m-instruct", dtype="fp32"))
     logs = tmp_path_factory.mktemp("servers")

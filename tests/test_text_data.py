@@ -1,11 +1,11 @@
 """Dataset-text shards (Medusa-1's training data) in the self-distillation layout."""
 import torch
 
-from training.data import list_shards
-from training.examples import load_examples
-from training.text_data import generate_text_data
 from vllm_mtpspec.prompts import Prompt
+from vllm_mtpspec.shards import list_shards
 from vllm_mtpspec.target import load_target
+from vllm_mtpspec_train.examples import load_examples
+from vllm_mtpspec_train.text_data import generate_text_data
 
 
 def test_dataset_answers_become_shards_the_training_job_reads(tiny_smol_teacher, tmp_path):

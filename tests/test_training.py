@@ -7,14 +7,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from training.config import TrainConfig, TrainConfigError
-from training.data import generate_self_distillation, list_shards
-from training.train import ensure_data, run_training
 from vllm_mtpspec.config import SpecOptions
 from vllm_mtpspec.drafter import HeadsDrafter
 from vllm_mtpspec.prompts import load_prompts_jsonl
 from vllm_mtpspec.reference import ReferenceDecoder, plain_greedy
+from vllm_mtpspec.shards import list_shards
 from vllm_mtpspec.target import load_heads_for, load_target
+from vllm_mtpspec_train.config import TrainConfig, TrainConfigError
+from vllm_mtpspec_train.data import generate_self_distillation
+from vllm_mtpspec_train.train import ensure_data, run_training
 
 pytestmark = pytest.mark.slow
 PROMPTS = Path(__file__).parent.parent / "benchmarks" / "prompts" / "demo.jsonl"
@@ -74,7 +75,7 @@ def test_a_shard_budget_splits_evenly_over_the_sources_and_builds_no_more(tiny_s
 
 
 def test_split_budget_is_even_where_the_sources_allow():
-    from training.train import split_budget
+    from vllm_mtpspec_train.train import split_budget
 
     assert split_budget(24, [125, 168]) == [12, 12]
     assert split_budget(5, [10, 10]) == [3, 2]
@@ -84,7 +85,7 @@ def test_split_budget_is_even_where_the_sources_allow():
 
 
 def test_interleaving_spreads_a_smaller_source_evenly():
-    from training.train import interleave
+    from vllm_mtpspec_train.train import interleave
 
     big, small = [Path(f"a{i}") for i in range(4)], [Path(f"b{i}") for i in range(2)]
     assert [p.name for p in interleave([big, small])] == ["a0", "b0", "a1", "a2", "b1", "a3"]
@@ -258,7 +259,7 @@ def test_clear_errors(tiny_smol_teacher, tmp_path):
         TrainConfig(mode="cotrain")
 
 
-SHIPPED_CONFIGS = Path(__file__).parents[1] / "training" / "configs"
+SHIPPED_CONFIGS = Path(__file__).parents[1] / "vllm_mtpspec_train" / "configs"
 
 
 @pytest.mark.parametrize("path", sorted(p for p in SHIPPED_CONFIGS.rglob("*") if p.suffix in (".json", ".yaml", ".yml")),
@@ -280,7 +281,7 @@ def test_training_continues_from_earlier_heads_of_the_same_shape_and_model(tiny_
                                                                             tmp_path):
     from vllm_mtpspec.checkpoint import HeadsError, load_heads, save_heads
     from vllm_mtpspec.heads_init import init_heads
-    from training.train import initial_heads
+    from vllm_mtpspec_train.train import initial_heads
 
     teacher = load_target(str(tiny_smol_teacher), dtype="fp32")
     earlier = init_heads(teacher.model, tiny_smol_teacher, num_heads=2, head_input="hidden+token", mlp_size=32,
@@ -320,7 +321,7 @@ def test_training_continues_from_earlier_heads_of_the_same_shape_and_model(tiny_
 def test_unreachable_ray_address_is_a_clear_error(tmp_path):
     import ray
 
-    from training.train import connect_ray
+    from vllm_mtpspec_train.train import connect_ray
 
     ray.shutdown()  # an earlier test's local instance would be reused
     with pytest.raises(TrainConfigError, match="cannot reach a Ray cluster"):

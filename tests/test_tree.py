@@ -4,10 +4,15 @@ import pytest
 import torch
 
 from vllm_mtpspec.tree import (
-    DraftTreeBuilder,
-    TreeShape, best_expected_tree, build_static_shape, chain_tree, consensus_tree, dynamic_tree,
+    TreeShape,
+    best_expected_tree,
+    build_static_shape,
+    chain_tree,
+    consensus_tree,
+    dynamic_tree,
     tree_from_paths,
 )
+from vllm_mtpspec.tree_builder import DraftTreeBuilder
 
 
 def expected_len(shape, acc):

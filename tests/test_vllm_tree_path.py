@@ -12,8 +12,13 @@ from tests.paged_trees import random_tree
 from tests.stats import TRIALS, assert_follows
 from vllm_mtpspec.tree import chain_tree, tree_from_paths
 from vllm_mtpspec.verify import Verdict
-from vllm_mtpspec.vllm.attention import (gather_sequence, overwrite_tree_rows, plan_tree_attention, probe_block_layout,
-                                         split_cpu_kv_cache)
+from vllm_mtpspec.vllm.attention import (
+    gather_sequence,
+    overwrite_tree_rows,
+    plan_tree_attention,
+    probe_block_layout,
+    split_cpu_kv_cache,
+)
 from vllm_mtpspec.vllm.kv_compaction import compaction_moves, move_kv
 from vllm_mtpspec.vllm.tree_sampler import verify_tree_requests
 from vllm_mtpspec.vllm.tree_step import ProposedTree, ScheduledTree, TreeStep, schedule_trees

@@ -8,16 +8,18 @@ from pathlib import Path
 import torch
 
 from vllm_mtpspec.heads import MTPHeads
+from vllm_mtpspec.models import resolve_model
 from vllm_mtpspec.sequential_heads import chain_tokens
+from vllm_mtpspec.shards import answer_sequence, has_context_rows, list_shards, unroll_sequences
 
 
 def shard_files(shards_dir: str | Path) -> list[Path]:
     from vllm_mtpspec.quant import QuantError
 
-    files = sorted(Path(shards_dir).glob("shard-*.pt"))
+    files = list_shards(shards_dir)
     if not files:
         raise QuantError(f"--calibration {shards_dir}: holds no shard-*.pt files (training shards are written "
-                         "by the training job or by python -m training.data)")
+                         "by the training job or by python -m vllm_mtpspec_train.data)")
     return files
 
 
@@ -65,8 +67,6 @@ def block_statistics_from_shards(block, files: list[Path], max_rows: int, *, emb
     each answer of the shards is read with the prompt rows before it, as drafting reads
     it (every row's context entry, then each answer row's chain along the answer's own
     tokens), until max_rows answer rows. The files opened are appended to `read`."""
-    from training.examples import answer_sequence, has_context_rows
-    from training.modules import unroll_sequences
     from vllm_mtpspec.heads_quant import recorded_inputs
     from vllm_mtpspec.quant import QuantError
 
@@ -81,7 +81,7 @@ def block_statistics_from_shards(block, files: list[Path], max_rows: int, *, emb
                 layers = block.feature_layers
                 raise QuantError(f"--calibration {file}: an attention draft block is calibrated on answers read with "
                                  "the prompt rows before them, and this shard keeps none (context_hidden): build "
-                                 "shards with `python -m training.data --context-rows 512"
+                                 "shards with `python -m vllm_mtpspec_train.data --context-rows 512"
                                  + (f" --feature-layers {','.join(map(str, layers))}" if layers else "") + "`")
             for j in range(len(shard["offsets"]) - 1):
                 if rows >= max_rows:
@@ -95,7 +95,6 @@ def block_statistics_from_shards(block, files: list[Path], max_rows: int, *, emb
 
 def heads_statistics_from_shards(heads: MTPHeads, shards_dir: str | Path, *, model: str, max_rows: int):
     """(input statistics per matrix, a description of the data for the heads config)."""
-    from vllm_mtpspec.models import resolve_model
     from vllm_mtpspec.quant import QuantError
     from vllm_mtpspec.weights import embedding_and_lm_head
 

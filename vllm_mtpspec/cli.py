@@ -5,29 +5,15 @@ import argparse
 import json
 import logging
 import sys
+from importlib.metadata import entry_points
 from pathlib import Path
 
 from vllm_mtpspec.config import HEAD_INPUTS, HEAD_KINDS, TREE_PRESETS
+from vllm_mtpspec.json_output import print_json, stdout_for_json_only
 from vllm_mtpspec.layer_states import parse_layer_list
+from vllm_mtpspec.shipped import shipped_heads_dir
 
 logger = logging.getLogger("mtpspec")
-
-SHIPPED_HEADS = Path(__file__).parent / "shipped_heads"
-
-
-def shipped_heads_dir(model_name: str = "smollm2-135m-instruct") -> Path | None:
-    path = SHIPPED_HEADS / model_name
-    return path if (path / "config.json").is_file() else None
-
-
-def shipped_int2_heads_dir(heads_dir: str | Path) -> Path | None:
-    """The shipped INT2 form of shipped heads (quantized by GPTQ on training shards; see
-    its README), or None for any other heads directory."""
-    heads = Path(heads_dir).resolve()
-    if heads.parent != SHIPPED_HEADS.resolve():
-        return None
-    int2 = SHIPPED_HEADS / f"{heads.name}-int2"
-    return int2 if (int2 / "config.json").is_file() else None
 
 
 # ---------------------------------------------------------------- models
@@ -114,7 +100,7 @@ def heads_summary(heads_dir: str | Path) -> dict:
 def cmd_heads_info(args) -> int:
     info = heads_summary(args.dir)
     if args.json:
-        print(json.dumps(info, indent=2))
+        print_json(info, indent=2)
         return 0
     for key, value in info.items():
         print(f"{key:30s} {value}")
@@ -130,7 +116,7 @@ def cmd_heads_quantize(args) -> int:
         raise SystemExit(f"--bits {args.bits}: only 2-bit quantization is supported")
     if args.method != "rtn" and not args.calibration:
         raise QuantError(f"--method {args.method} needs --calibration: a folder of training shards (shard-*.pt, "
-                         "written by the training job or python -m training.data)")
+                         "written by the training job or python -m vllm_mtpspec_train.data)")
     if args.method == "rtn" and args.calibration:
         raise QuantError("--calibration is only read by the calibrated methods (search, gptq, gptq-refit); "
                          "round-to-nearest (rtn) needs none")
@@ -182,13 +168,14 @@ def answer_token_arrays(answers_dirs: str, *, vocab_size: int) -> list:
     """The answer tokens of every answer file in the comma-separated folders."""
     import numpy as np
 
-    from training.answers import AnswersError, list_answer_files, read_answers
+    from vllm_mtpspec.answers import AnswersError, list_answer_files, read_answers
 
     arrays = []
     for folder in [d for d in answers_dirs.split(",") if d]:
         files = list_answer_files(folder)
         if not files:
-            raise AnswersError(f"--answers: {folder} holds no answers-*.npz files (python -m training.data writes them)")
+            raise AnswersError(f"--answers: {folder} holds no answers-*.npz files "
+                               "(python -m vllm_mtpspec_train.data writes them)")
         for path in files:
             arrays += [np.asarray(a, dtype=np.int64) for a in read_answers(path, vocab_size=vocab_size)["answers"]]
     return arrays
@@ -262,7 +249,7 @@ def cmd_decode(args) -> int:
                           progress=not args.json)
     summary = summarise(rows)
     if args.json:
-        print(json.dumps({"summary": summary, "prompts": rows}, indent=2))
+        print_json({"summary": summary, "prompts": rows}, indent=2)
     else:
         for row in rows:
             print(f"--- [{row['category']}] {row['id']}: {row['num_tokens']} tokens, mean accepted length "
@@ -291,7 +278,7 @@ def cmd_serve(args, rest: list[str]) -> int:
     model = args.model
     if model in MODELS:
         model = str(resolve_model(model, dtype=args.model_dtype))
-    heads = args.heads
+    heads = None if args.heads == "none" else args.heads
     if heads == "shipped":
         shipped = shipped_heads_dir()
         if shipped is None:
@@ -301,65 +288,39 @@ def cmd_serve(args, rest: list[str]) -> int:
     return run_vllm_cli(serve_argv(model, heads, args.num_speculative_tokens, options, rest))
 
 
-# ---------------------------------------------------------------- training
-def cmd_eval_heads(args) -> int:
-    import hashlib
+# ---------------------------------------------------------------- commands from other packages
+COMMANDS_GROUP = "mtpspec.commands"
+TRAIN_EXTRA = 'pip install "vllm-mtpspec[train]"'
+# Provided by vllm_mtpspec_train (the train extra); named here only so that `mtpspec train`
+# without it says what to install instead of "invalid choice".
+TRAINING_COMMANDS = ("train", "eval-heads")
 
-    from training.data import generate_self_distillation, list_shards
-    from training.evaluate import evaluate_heads
-    from training.examples import CONTEXT_ROWS
-    from vllm_mtpspec.checkpoint import read_heads_config
-    from vllm_mtpspec.models import cache_root, resolve_model
-    from vllm_mtpspec.target import load_heads_for, load_target
-    from vllm_mtpspec.weights import embedding_and_lm_head
 
-    model_dir = resolve_model(args.model, dtype="fp32")
-    # A draft block reads the context: its shards carry the prompt rows too, and the
-    # states entering the target layers it reads.
-    heads_config = read_heads_config(args.heads)
-    context_rows = CONTEXT_ROWS if heads_config.head_kind == "attention" else 0
-    feature_layers = heads_config.feature_layers
-    source = Path(args.prompts)
-    folders = [Path(f) for f in args.prompts.split(",") if f]
-    if all(f.is_dir() for f in folders):  # self-distillation shards already made, one folder per source
-        shards = [shard for folder in folders for shard in list_shards(folder)]
-    else:
-        from vllm_mtpspec.prompts import load_prompts_jsonl
+def add_plugin_commands(sub) -> None:
+    """The subcommands other packages register: each entry point of the mtpspec.commands
+    group (pyproject.toml) names a function that adds its subparser to `sub`. Loaded by
+    name, so the library never imports the training package."""
+    for entry in entry_points(group=COMMANDS_GROUP):
+        if entry.name in sub.choices:  # the same distribution found twice on sys.path
+            continue
+        try:
+            add_command = entry.load()
+        except ImportError as err:
+            _add_unavailable(sub, entry.name, f"{entry.value} cannot be imported ({err})")
+            continue
+        add_command(sub)
+    for name in TRAINING_COMMANDS:
+        if name not in sub.choices:
+            _add_unavailable(sub, name, "the training package is not installed")
 
-        prompts = load_prompts_jsonl(source, limit=args.limit)
-        key = hashlib.sha1(f"{model_dir}|{source.resolve()}|{source.stat().st_mtime}|{args.max_new_tokens}|{args.limit}"
-                           f"{f'|context={context_rows}' if context_rows else ''}"
-                           f"{f'|layers={feature_layers}' if feature_layers else ''}".encode()).hexdigest()[:12]
-        data_dir = cache_root() / "eval-data" / key
-        generate_self_distillation(model_dir, prompts, data_dir, max_new_tokens=args.max_new_tokens,
-                                   context_rows=context_rows, feature_layers=feature_layers)
-        shards = list_shards(data_dir)
-    target = load_target(str(model_dir), dtype="fp32")
-    heads = load_heads_for(target, args.heads)
-    del target
-    embed, lm_head = embedding_and_lm_head(model_dir)
-    report = evaluate_heads(heads, shards, lm_head=lm_head, embed=embed, max_tree_nodes=args.max_tree_nodes)
-    if args.json:
-        print(json.dumps(report, indent=2))
-        return 0
-    print(f"{report['rows']} positions along the model's own greedy answers")
-    print("head  top-1   top-5   top-1 when the heads before it were right")
-    for i, (t1, t5, c1) in enumerate(zip(report["top1"], report["top5"], report["conditional_top1"])):
-        print(f"{i + 1:4d}  {t1:.3f}   {t5:.3f}   {c1:.3f}")
-    for tree, value in report["mean_accepted_len"].items():
-        if tree in report["tree_nodes"]:
-            print(f"mean accepted length, {tree} tree ({report['tree_nodes'][tree]} nodes): {value:.3f}")
-        else:  # chain+lookup: the chain, replaced by prompt lookup's draft wherever one is found
-            print(f"mean accepted length, {tree} (prompt lookup's draft where found, else the chain): {value:.3f}")
-    for cat, stats in report["per_category"].items():
-        print(f"  [{cat}] rows {stats['rows']}: top-1 {stats['top1']}, accepted {stats['mean_accepted_len']}")
-    for bucket, stats in report["per_context_length"].items():
-        print(f"  [context {bucket} tokens] rows {stats['rows']}: top-1 {stats['top1']}, "
-              f"accepted {stats['mean_accepted_len']}")
-    if len(report["per_source"]) > 1:
-        for name, stats in report["per_source"].items():
-            print(f"  [source {name}] rows {stats['rows']}: top-1 {stats['top1']}, accepted {stats['mean_accepted_len']}")
-    return 0
+
+def _add_unavailable(sub, name: str, why: str) -> None:
+    def refuse(args, rest) -> int:
+        print(f"mtpspec {name}: error: {why}; install the training job with: {TRAIN_EXTRA}", file=sys.stderr)
+        return 2
+
+    p = sub.add_parser(name, add_help=False, help=f"unavailable here ({TRAIN_EXTRA})")
+    p.set_defaults(func=refuse, passthrough=True)
 
 
 # ---------------------------------------------------------------- parser
@@ -427,7 +388,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--calibration", default=None,
                    help="search/gptq/gptq-refit: a folder of training shards (shard-*.pt) whose hidden states and tokens are "
                         "the heads' inputs; an attention draft block needs shards with the prompt rows before each answer "
-                        "(python -m training.data --context-rows 512, and --feature-layers where the block reads them)")
+                        "(python -m vllm_mtpspec_train.data --context-rows 512, and --feature-layers where the block "
+                        "reads them)")
     p.add_argument("--calibration-rows", type=int, default=32768,
                    help="rows of the shards to read (an attention draft block: answer rows, each answer whole; "
                         "default 32768)")
@@ -484,24 +446,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model-dtype", choices=("bf16", "fp32"), default="fp32", help="for a known model name: which copy to fetch")
     p.set_defaults(func=cmd_serve, passthrough=True)
 
-    p = sub.add_parser("train", help="train heads with Ray (see `mtpspec train --help`)", add_help=False,
-                       description="Runs the Ray Train job; every argument goes to it.")
-    p.set_defaults(func=None)
-
-    p = sub.add_parser("eval-heads", help="per-head accuracy and mean accepted length along the model's greedy answers",
-                       description="Generates the model's greedy answers to the prompts with vLLM (cached), then "
-                                   "measures per head top-1/top-5 accuracy and the mean accepted length of the chain "
-                                   "and consensus trees, per prompt category.")
-    p.add_argument("--model", required=True, help="a known model name or a Hugging Face folder")
-    p.add_argument("--heads", required=True, help="heads directory")
-    p.add_argument("--prompts", required=True,
-                   help="JSONL prompts, or folders of self-distillation shards separated by commas (one per source, "
-                        "reported apart)")
-    p.add_argument("--max-new-tokens", type=int, default=128)
-    p.add_argument("--max-tree-nodes", type=int, default=16)
-    p.add_argument("--limit", type=int, default=None, help="only the first N prompts")
-    p.add_argument("--json", action="store_true", help="machine-readable output")
-    p.set_defaults(func=cmd_eval_heads)
+    add_plugin_commands(sub)
 
     from vllm_mtpspec.bench.command import add_parser as add_bench_parser
     from vllm_mtpspec.bench.serve_load import add_parser as add_bench_serve_parser
@@ -512,7 +457,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("demo", help="the main job: SmolLM2-135M-Instruct in vLLM with the shipped heads, side by side "
                                     "with vLLM alone")
     p.add_argument("--heads", default=None, help="heads directory (default: the shipped heads)")
-    p.add_argument("--tree", choices=[t for t in TREE_PRESETS if t != "chain"], default="consensus")
+    p.add_argument("--tree", choices=[t for t in TREE_PRESETS if t != "chain"], default=None,
+                   help="the tree row's preset (default: what the heads' kind drafts best: consensus for parallel "
+                        "heads, dynamic for sequential heads and the attention block)")
     p.add_argument("--num-heads", type=int, default=3, help="heads used (draft depth)")
     p.add_argument("--max-tree-nodes", type=int, default=6)
     p.add_argument("--max-new-tokens", type=int, default=64)
@@ -523,31 +470,26 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if argv[:1] == ["train"]:  # the Ray job owns its own flags and --help
-        from training.train import main as train_main
-
-        return train_main(argv[1:])
     args, rest = build_parser().parse_known_args(argv)
     if rest and not getattr(args, "passthrough", False):
         build_parser().parse_args(argv)  # reports the unknown arguments and exits
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    from vllm_mtpspec.answers import AnswersError
     from vllm_mtpspec.checkpoint import HeadsError
     from vllm_mtpspec.config import ConfigError
     from vllm_mtpspec.models import ModelError
     from vllm_mtpspec.prompts import PromptsError
     from vllm_mtpspec.quant import QuantError
-    from training.answers import AnswersError
-    from training.config import TrainConfigError
-    from training.examples import ShardsError
+    from vllm_mtpspec.shards import ShardsError
 
     try:
         if getattr(args, "passthrough", False):
-            if args.heads == "none":
-                args.heads = None
             return args.func(args, rest)
+        if getattr(args, "json", False) is True:  # a command's --json flag: stdout carries the JSON alone
+            with stdout_for_json_only():
+                return args.func(args)
         return args.func(args)
-    except (AnswersError, HeadsError, ConfigError, ModelError, PromptsError, QuantError, ShardsError,
-            TrainConfigError) as err:
+    except (AnswersError, HeadsError, ConfigError, ModelError, PromptsError, QuantError, ShardsError) as err:
         print(f"mtpspec: error: {err}", file=sys.stderr)
         return 2
 

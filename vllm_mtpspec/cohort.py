@@ -24,7 +24,6 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-
 # Left unset, pace_cohorts paces sampled batches and greedy ones of at least this many
 # requests (benchmarks/RESULTS.md). Side by side on a 2-core Xeon with AMX, greedy batches of
 # 32 and 64 read 1.03x and 1.00x of vLLM alone paced, against 0.93x and 0.92x unpaced; at 16

@@ -25,8 +25,16 @@ HEAD_KINDS = ("parallel", "sequential", "attention")
 CHAIN_ONLY_HEAD_KINDS = ("sequential", "attention")
 GROWN_TREE_HEAD_KINDS = CHAIN_ONLY_HEAD_KINDS
 TREE_PRESETS = ("chain", "consensus", "static", "dynamic")
-DRAFT_SIZES = ("fixed", "learned", "planned")
+DRAFT_SIZES = ("fixed", "planned")
 PACE_COHORTS = ("never", "sampled", "always")
+# Options that were removed -> what to give instead: refused by name at start-up, not as
+# unknown keys, so that a config written for an older release says what to change.
+RETIRED_OPTIONS = {
+    # The learned draft size (issue 43): never ahead of the fixed back-off consistently,
+    # superseded by the planner.
+    "adaptive_draft_size": "it turned on the learned draft size, which the planner superseded: drop it, and "
+                           "give draft_size='planned' where it was true",
+}
 # The dtype the heads draft in: "auto" (the platform's choice, platform_defaults.py),
 # "model" (the served model's dtype), a dtype, or "int8" (the heads' matrices and the draft
 # vocabulary's rows in INT8 on the CPU, the rest in fp32: quant/int8_dynamic.py). Only the
@@ -39,8 +47,12 @@ class ConfigError(ValueError):
 
 
 def reject_unknown_keys(cls, raw: dict[str, Any], *, source: str, noun: str = "field",
-                        error: type[Exception] = ConfigError) -> None:
-    """A typo in a config key fails loudly, listing the keys that would have worked."""
+                        error: type[Exception] = ConfigError, retired: dict[str, str] | None = None) -> None:
+    """A typo in a config key fails loudly, listing the keys that would have worked; a key
+    of `retired` (key -> what to do instead) is named with its replacement."""
+    gone = sorted(set(raw) & set(retired or {}))
+    if gone:
+        raise error(f"{source}: {noun} {gone[0]!r} was retired; {retired[gone[0]]}")
     known = {f.name for f in dataclasses.fields(cls)}
     unknown = sorted(set(raw) - known)
     if unknown:
@@ -201,6 +213,11 @@ class HeadsConfig:
         (grown_tree.py) rather than chosen among every depth's candidates (tree.py)."""
         return self.head_kind in GROWN_TREE_HEAD_KINDS
 
+    def default_tree(self) -> str:
+        """The tree preset these heads draft best when none is asked: a consensus tree from
+        independent heads, a tree grown step by step from heads that read their own drafts."""
+        return "dynamic" if self.chains_only else "consensus"
+
     def tree_refusal(self, tree: str) -> str | None:
         """Why these heads cannot draft the tree preset `tree` (None: they can)."""
         if tree in ("chain", "dynamic") or not self.chains_only:
@@ -242,15 +259,11 @@ class SpecOptions:
     # - "fixed": a back-off, above batch_backoff_start running requests one token fewer
     #   (and half the tree nodes) per doubling (batch_backoff_start None: 4 on CPUs, 16
     #   elsewhere);
-    # - "learned": per batch size, the size with the most measured tokens per second
-    #   (adaptive.py), starting where the fixed back-off would draft;
     # - "planned": from batch_backoff_start running requests up, per request and step, the
     #   drafts whose expected accepted tokens are worth the verify time they add, by the
     #   step cost measured while serving (draft_planner.py); below it, whole chains as the
     #   fixed rule drafts them; chains only.
-    # adaptive_draft_size=true is the older spelling of draft_size="learned".
     draft_size: str | None = None
-    adaptive_draft_size: bool = False
     batch_backoff_start: int | None = None
     # "planned" only: in a batch whose requests all started together with one max_tokens
     # and that nobody joins (LLM.generate on a list of prompts), only the requests that have
@@ -282,8 +295,9 @@ class SpecOptions:
             raise ConfigError(f"max_tree_nodes={self.max_tree_nodes}: must be >= 1")
         if self.batch_backoff_start is not None and self.batch_backoff_start < 1:
             raise ConfigError(f"batch_backoff_start={self.batch_backoff_start}: must be >= 1")
-        if not isinstance(self.adaptive_draft_size, bool):
-            raise ConfigError(f"adaptive_draft_size={self.adaptive_draft_size!r}: must be true or false")
+        if self.draft_size == "learned":
+            raise ConfigError("draft_size='learned' was retired (the planner superseded it): give "
+                              "draft_size='planned' for chains, or draft_size='fixed' for trees")
         if self.pace_cohorts is not None and self.pace_cohorts not in PACE_COHORTS:
             raise ConfigError(f"pace_cohorts={self.pace_cohorts!r}: choose one of {PACE_COHORTS}")
         if self.pace_cohorts not in (None, "never") and self.draft_size not in (None, "planned"):
@@ -292,12 +306,9 @@ class SpecOptions:
                               "pace_cohorts='never'")
         if self.draft_size is not None and self.draft_size not in DRAFT_SIZES:
             raise ConfigError(f"draft_size={self.draft_size!r}: choose one of {DRAFT_SIZES}")
-        if self.adaptive_draft_size and self.draft_size not in (None, "learned"):
-            raise ConfigError(f"adaptive_draft_size=true (a learned draft size) and draft_size={self.draft_size!r} "
-                              "disagree: give draft_size alone")
         if self.draft_size == "planned" and self.tree != "chain":
             raise ConfigError(f"draft_size='planned' plans chains, and tree={self.tree!r} was asked: use "
-                              "tree='chain', or draft_size='fixed' or 'learned' for trees")
+                              "tree='chain', or draft_size='fixed' for trees")
         if self.draft_dtype not in DRAFT_DTYPES:
             raise ConfigError(f"draft_dtype={self.draft_dtype!r}: choose one of {DRAFT_DTYPES}")
         if not 0.0 <= self.min_path_prob < 1.0:
@@ -307,17 +318,15 @@ class SpecOptions:
                               "need 1 <= prompt_lookup_min <= prompt_lookup_max (or prompt_lookup_max=0 for off)")
 
     def draft_size_rule(self, platform_default: str) -> str:
-        """"fixed", "learned" or "planned": what was asked, else the platform's default
-        (which never plans trees)."""
-        if self.adaptive_draft_size:
-            return "learned"
+        """"fixed" or "planned": what was asked, else the platform's default (which never
+        plans trees)."""
         if self.draft_size is not None:
             return self.draft_size
         return "fixed" if platform_default == "planned" and self.tree != "chain" else platform_default
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any], *, source: str = "options") -> "SpecOptions":
-        reject_unknown_keys(cls, raw, source=source, noun="option")
+        reject_unknown_keys(cls, raw, source=source, noun="option", retired=RETIRED_OPTIONS)
         return cls(**raw)
 
     def depth_for(self, heads_config: HeadsConfig, *, source: str = "options") -> int:

@@ -21,7 +21,8 @@ from vllm_mtpspec.config import ConfigError, SpecOptions
 from vllm_mtpspec.drafter import Drafter
 from vllm_mtpspec.layer_states import recording_layer_inputs, with_layer_states
 from vllm_mtpspec.lookup import lookup_draft
-from vllm_mtpspec.tree import DraftTreeBuilder, TreeShape, chain_tree
+from vllm_mtpspec.tree import TreeShape, chain_tree
+from vllm_mtpspec.tree_builder import DraftTreeBuilder
 from vllm_mtpspec.verify import verify_greedy, verify_sampled
 
 

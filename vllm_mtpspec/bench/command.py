@@ -3,11 +3,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import time
 from pathlib import Path
 
 from vllm_mtpspec.bench.methods import KNOWN_METHODS
+from vllm_mtpspec.bench.stamp import describe, stamp
+from vllm_mtpspec.shipped import shipped_heads_dir, shipped_int2_heads_dir
 
 DESCRIPTION = """\
 Run speculation methods through vLLM on the same prompts in the same run (engines side
@@ -43,8 +44,9 @@ def add_parser(sub) -> None:
                    help=f"comma-separated, from {', '.join(KNOWN_METHODS)}")
     p.add_argument("--num-heads", default="3", help="heads used by mtpspec methods, e.g. 2,4 (one row each)")
     p.add_argument("--quant", default="fp", help="fp, int2 or fp,int2 (heads precision for mtpspec methods)")
-    p.add_argument("--tree", default="consensus", choices=("consensus", "static", "dynamic"),
-                   help="the tree preset of mtpspec-tree")
+    p.add_argument("--tree", default=None, choices=("consensus", "static", "dynamic"),
+                   help="the tree preset of mtpspec-tree (default: what the heads' kind drafts best: consensus for "
+                        "parallel heads, dynamic for sequential heads and the attention block)")
     p.add_argument("--max-tree-nodes", default="8", help="node budget of mtpspec-tree, e.g. 8,16 (one row each)")
     p.add_argument("--dtype", default="fp32", choices=("fp32", "bf16"),
                    help="the served model's dtype, for every engine (bf16 pays on CPUs with AMX or native bf16)")
@@ -52,11 +54,10 @@ def add_parser(sub) -> None:
                    help="on (mtpspec's default), off or off,on: mtpspec methods also draft from the context where "
                         "it repeats (prompt_lookup_max=4), one row each")
     p.add_argument("--draft-size", default="default",
-                   help="default, fixed, adaptive, planned or a comma-separated mix: mtpspec methods follow the "
+                   help="default, fixed, planned or a comma-separated mix: mtpspec methods follow the "
                         "platform's default rule (the planner on CPUs, the fixed back-off elsewhere; the row is "
-                        "not labelled), the fixed batch back-off, learn how much to draft per batch size "
-                        "(draft_size=learned), or plan each request's drafts from measured step costs "
-                        "(draft_size=planned); one row each")
+                        "not labelled), the fixed batch back-off (draft_size=fixed), or plan each request's "
+                        "drafts from measured step costs (draft_size=planned); one row each")
     p.add_argument("--pace-cohorts", default="default",
                    help="default, never, sampled, always or a comma-separated mix: where the planner plans, whether "
                         "a batch whose requests started together lets only the requests that have made the fewest "
@@ -111,11 +112,10 @@ def _ints(text: str) -> list[int]:
 
 def run(args) -> int:
     from vllm_mtpspec.bench.methods import DRAFT_SIZES, build_methods, int2_copy_path
-    from vllm_mtpspec.config import DRAFT_DTYPES, PACE_COHORTS
     from vllm_mtpspec.bench.prompts import load_bench_prompts
     from vllm_mtpspec.bench.report import heads_memory, markdown, plot, summarize
     from vllm_mtpspec.bench.runner import engine_settings, run_benchmark, save_json
-    from vllm_mtpspec.cli import shipped_heads_dir
+    from vllm_mtpspec.config import DRAFT_DTYPES, PACE_COHORTS
     from vllm_mtpspec.models import cache_root, resolve_model
 
     model = str(resolve_model(args.model, dtype=args.dtype))
@@ -142,16 +142,17 @@ def run(args) -> int:
                             max_new_tokens=args.max_new_tokens, rounds=args.rounds, engine=engine,
                             log_dir=work_dir / "logs")
     rows = summarize(methods, tallies)
-    from vllm_mtpspec.cli import shipped_int2_heads_dir
-
     memory = []
     for heads in heads_dirs:
         int2 = shipped_int2_heads_dir(heads) or int2_copy_path(heads, work_dir)
         memory += heads_memory(heads, model, str(int2) if (int2 / "heads.safetensors").is_file() else None,
                                name=Path(heads).name if len(heads_dirs) > 1 else "")
-    machine = f"{_cpu_name()}, {_cpu_count()} CPUs, vLLM {_vllm_version()}"
+    run_stamp = stamp()
+    machine = describe(run_stamp)
+    engines = sum(m.unavailable is None for m in methods)
     header = (f"## mtpspec bench: {Path(model).name}, {len(prompts)} prompts ({args.prompts}), "
-              f"{args.max_new_tokens} new tokens each\n\nmachine: {machine}; run took {time.time() - started:.0f} s")
+              f"{args.max_new_tokens} new tokens each\n\n{machine}; {engines} engines, each paused while another "
+              f"is timed; run took {time.time() - started:.0f} s\n\n`{run_stamp['command']}`")
     table = markdown(rows, methods, memory, header)
     print("\n" + table)
     if args.markdown:
@@ -159,7 +160,8 @@ def run(args) -> int:
     if args.plot:
         plot(rows, Path(args.plot), f"{Path(model).name}, {machine}")
     if args.json:
-        save_json(Path(args.json), {"model": model, "heads": heads_dirs, "prompts": args.prompts, "machine": machine,
+        save_json(Path(args.json), {"stamp": run_stamp, "engines": engines, "model": model, "heads": heads_dirs,
+                                    "prompts": args.prompts, "machine": machine,
                                     "max_new_tokens": args.max_new_tokens, "rows": rows, "memory": memory,
                                     "methods": [vars(m) for m in methods]})
     greedy_differs = [r for r in rows if r["identical_greedy_output"] is False
@@ -198,25 +200,3 @@ def _kv_bytes_per_token(model: str, dtype: str) -> int:
     element = {"fp32": 4, "bf16": 2}[dtype]  # the KV cache is kept in the model's dtype
     return 2 * config["num_hidden_layers"] * heads * head_dim * element
 
-
-def _cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
-def _cpu_count() -> int:
-    import os
-
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-
-
-def _vllm_version() -> str:
-    from vllm_mtpspec.vllm.version import vllm_version
-
-    return vllm_version()

@@ -9,15 +9,18 @@ from pathlib import Path
 DEMO_PROMPTS = Path(__file__).resolve().parent.parent.parent / "benchmarks" / "prompts" / "demo.jsonl"
 
 
-def run_demo(*, heads_dir: str, tree: str, num_heads: int, max_tree_nodes: int, max_new_tokens: int,
+def run_demo(*, heads_dir: str, tree: str | None, num_heads: int, max_tree_nodes: int, max_new_tokens: int,
              limit: int) -> int:
     from transformers import AutoTokenizer
 
     from vllm_mtpspec.bench.methods import PROMPT_LOOKUP_MAX, Method
     from vllm_mtpspec.bench.report import summarize
     from vllm_mtpspec.bench.runner import engine_settings, run_benchmark
+    from vllm_mtpspec.checkpoint import read_heads_config
     from vllm_mtpspec.models import fetch_model
     from vllm_mtpspec.prompts import load_prompts_jsonl
+
+    tree = tree or read_heads_config(heads_dir).default_tree()
 
     model = str(fetch_model("smollm2-135m-instruct", dtype="fp32"))
     prompts = load_prompts_jsonl(DEMO_PROMPTS, limit=limit)

@@ -9,12 +9,11 @@
 - mtpspec-chain / mtpspec-tree: our heads, as top-1 chains or verified as trees; one
   variant per number of heads, per tree node budget, per quantization, with or without
   prompt lookup, and with the draft size the platform's default rule chooses (default),
-  the fixed batch back-off (fixed), learned (adaptive) or planned per request from
-  measured step costs (planned), per draft dtype (the platform's choice, "auto", by
-  default), and per pacing of batches that started together (pace_cohorts: the
-  default, or never, sampled or always), and per batch size from which the draft-size
-  rule acts (batch_backoff_start: the platform's, or a number; at 1 the planner plans
-  every step of a lone request).
+  the fixed batch back-off (fixed) or planned per request from measured step costs
+  (planned), per draft dtype (the platform's choice, "auto", by default), and per pacing
+  of batches that started together (pace_cohorts: the default, or never, sampled or
+  always), and per batch size from which the draft-size rule acts (batch_backoff_start:
+  the platform's, or a number; at 1 the planner plans every step of a lone request).
 """
 from __future__ import annotations
 
@@ -23,10 +22,12 @@ import itertools
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from vllm_mtpspec.shipped import shipped_int2_heads_dir
+
 KNOWN_METHODS = ("none", "none-again", "ngram", "suffix", "draft", "mtpspec-chain", "mtpspec-tree")
-DRAFT_SIZES = ("default", "fixed", "adaptive", "planned")
+DRAFT_SIZES = ("default", "fixed", "planned")
 # -> SpecOptions.draft_size; "default": none given, the platform's own rule (the row a user gets)
-DRAFT_SIZE_OPTION = {"default": None, "fixed": "fixed", "adaptive": "learned", "planned": "planned"}
+DRAFT_SIZE_OPTION = {"default": None, "fixed": "fixed", "planned": "planned"}
 PROMPT_LOOKUP_MAX = 4  # as the ngram row's prompt_lookup_max, so the two draft from the same matches
 
 
@@ -72,10 +73,12 @@ def build_methods(names: list[str], *, model_dir: str, heads_dirs: list[str], nu
                                    "num_speculative_tokens": num_spec_tokens},
                                   notes={"draft_model": f"the target's first {draft_layers} layers + LM head"}))
         else:
-            method_tree = "chain" if name == "mtpspec-chain" else tree
             for heads_dir, quant in itertools.product(heads_dirs, quants):
                 heads, unavailable = heads_dir, None
                 heads_config = _heads_config(heads_dir)
+                # No tree asked: each heads directory's own kind picks its preset.
+                method_tree = ("chain" if name == "mtpspec-chain" else tree if tree
+                               else heads_config.default_tree() if heads_config is not None else "consensus")
                 already_int2 = heads_config is not None and heads_config.quantization is not None
                 if quant != "fp" and already_int2 and "fp" in quants:
                     continue  # the same engine as its "fp" row, which serves (and is labelled) INT2 already
@@ -152,7 +155,6 @@ def _int2_heads(heads_dir: str, work_dir: Path) -> Path:
     """The shipped INT2 form of shipped heads (GPTQ); for other heads, round-to-nearest
     (the calibrated methods need training shards: `mtpspec heads quantize --method gptq`)."""
     from vllm_mtpspec.checkpoint import load_heads, save_heads
-    from vllm_mtpspec.cli import shipped_int2_heads_dir
 
     shipped = shipped_int2_heads_dir(heads_dir)
     if shipped is not None:

@@ -12,6 +12,7 @@ import json
 from pathlib import Path
 
 from vllm_mtpspec.prompts import Prompt, PromptsError, load_prompts_jsonl
+from vllm_mtpspec.sharegpt import is_held_out, sharegpt_later_turns, sharegpt_prompts
 
 NAMED_SOURCES = ("humaneval", "sharegpt-held-out", "sharegpt-later-turns-held-out")
 
@@ -28,17 +29,13 @@ def humaneval_prompts() -> list[Prompt]:
 
 
 def sharegpt_held_out_prompts() -> list[Prompt]:
-    """ShareGPT prompts that the training job holds out (training.prompts.is_held_out)."""
-    from training.prompts import is_held_out, sharegpt_prompts
-
+    """ShareGPT prompts that the training job holds out (vllm_mtpspec.sharegpt.is_held_out)."""
     return [p for p in sharegpt_prompts(max_chars=1500) if is_held_out(p.id)]
 
 
 def sharegpt_later_turns_held_out_prompts() -> list[Prompt]:
     """Later turns of held-out ShareGPT conversations, each with the conversation before it:
-    the long-context prompts (training.prompts.sharegpt_later_turns)."""
-    from training.prompts import is_held_out, sharegpt_later_turns
-
+    the long-context prompts (vllm_mtpspec.sharegpt.sharegpt_later_turns)."""
     return [p for p in sharegpt_later_turns(max_chars=1500) if is_held_out(p.id)]
 
 

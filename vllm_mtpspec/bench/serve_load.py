@@ -15,6 +15,8 @@ import sys
 from pathlib import Path
 
 from vllm_mtpspec.bench.servers import running_server
+from vllm_mtpspec.sharegpt import is_held_out, iter_sharegpt, sharegpt_path
+from vllm_mtpspec.shipped import shipped_heads_dir
 
 DESCRIPTION = """\
 Measure a server with mtpspec against vLLM alone with vLLM's own serving benchmark
@@ -65,8 +67,6 @@ def held_out_sharegpt_file(path: Path, max_prompt_chars: int = 2000) -> Path:
     """ShareGPT conversations the training job holds out, as a JSON array vLLM's client reads
     (it asks each one's first turn). First turns of at most max_prompt_chars (about 500
     tokens) fit any server with max_model_len >= 1024 beside a few hundred output tokens."""
-    from training.prompts import is_held_out, iter_sharegpt, sharegpt_path
-
     def usable(record: dict) -> bool:
         turns = record.get("conversations") or []
         return (len(turns) >= 2 and turns[0].get("from") == "human"
@@ -116,7 +116,6 @@ def measure(server_label: str, base_url: str, args, model: str, dataset: Path, c
 
 
 def run(args) -> int:
-    from vllm_mtpspec.cli import shipped_heads_dir
     from vllm_mtpspec.models import MODELS, resolve_model
 
     work = Path(args.work_dir)

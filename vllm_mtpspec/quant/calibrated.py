@@ -25,7 +25,7 @@ import torch
 from vllm_mtpspec.quant.int2 import LEVELS, Int2Weight, check_group_size, pack_codes
 
 METHODS = ("rtn", "search", "gptq", "gptq-refit")
-# What a heads config may record: these, and "qat" (training/quantize_aware.py).
+# What a heads config may record: these, and "qat" (vllm_mtpspec_train/quantize_aware.py).
 RECORDED_METHODS = METHODS + ("qat",)
 # Fractions of a group's range cut from its bottom and its top.
 DEFAULT_CLIP_GRID = (0.0, 0.04, 0.08, 0.12, 0.16, 0.2, 0.25, 0.3)

@@ -15,7 +15,6 @@ import torch
 from vllm_mtpspec.quant.int2 import Int2Weight
 from vllm_mtpspec.triton_support import tl, triton, triton_available  # noqa: F401 (re-exported)
 
-
 if triton is not None:
 
     @triton.jit

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 from vllm_mtpspec.vllm.logs import logger
 
-
 _logged: set[str] = set()
 
 

@@ -36,9 +36,13 @@ import functools
 import inspect
 import time
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from vllm_mtpspec.vllm.fallback import tree_blocker
 from vllm_mtpspec.vllm.logs import logger
+
+if TYPE_CHECKING:  # annotations only: this module loads with vLLM's plugins, light, and imports its pieces where used
+    from vllm_mtpspec.vllm.block_context import ScheduledRows
 
 
 _installed: set[str] = set()
@@ -107,10 +111,10 @@ def _with_spec_flags(engine_args):
 
 
 def _mtpspec_to_custom_class(spec, additional_config, target_model_config, compilation_config):
+    from vllm_mtpspec.config import SpecOptions
     from vllm_mtpspec.vllm.options import check_against_model, translate
     from vllm_mtpspec.vllm.platform_defaults import platform_blocker, run_tree_attention_eagerly
     from vllm_mtpspec.vllm.version import require_supported_vllm
-    from vllm_mtpspec.config import SpecOptions
 
     require_supported_vllm()
     vllm_spec, merged = translate(spec, additional_config if isinstance(additional_config, dict) else {})
@@ -439,8 +443,7 @@ def _move_cpu_kv(layout, kv_caches, slot_mapping, sources, destinations) -> None
 def _gpu_tree_rows(impl, layer, step, query, kv_cache, attn_metadata, output, output_scale=None,
                    output_block_scale=None) -> None:
     global _tree_attention_plan, _move_tree_kv
-    from vllm_mtpspec.vllm.gpu_tree_attention import (move_paged_kv, overwrite_tree_rows_paged,
-                                                      plan_paged_tree_attention)
+    from vllm_mtpspec.vllm.gpu_tree_attention import move_paged_kv, overwrite_tree_rows_paged, plan_paged_tree_attention
 
     if output_scale is not None or output_block_scale is not None or output.dtype != query.dtype:
         raise NotImplementedError("mtpspec tree attention does not support quantized attention outputs; use "

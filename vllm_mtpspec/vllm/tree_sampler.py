@@ -16,8 +16,17 @@ from __future__ import annotations
 
 import torch
 
-from vllm_mtpspec.batched_verify import (TreeBatch, draw_uniforms, emitted_tokens, greedy_hits, read_verdicts,
-                                         residual_draw, sampled_hits, stop_rows, walk)
+from vllm_mtpspec.batched_verify import (
+    TreeBatch,
+    draw_uniforms,
+    emitted_tokens,
+    greedy_hits,
+    read_verdicts,
+    residual_draw,
+    sampled_hits,
+    stop_rows,
+    walk,
+)
 from vllm_mtpspec.verify import Verdict
 from vllm_mtpspec.vllm.tree_step import TreeStep
 

@@ -20,7 +20,6 @@ import torch
 
 from vllm_mtpspec.triton_support import tl, triton
 
-
 if triton is not None:
 
     @triton.jit

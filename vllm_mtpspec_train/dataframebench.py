@@ -18,6 +18,7 @@ import sys
 import zipfile
 from pathlib import Path
 
+from vllm_mtpspec.models import cache_root
 from vllm_mtpspec.prompts import Prompt, PromptsError
 
 VERSION = "0.1.1"
@@ -33,8 +34,6 @@ PLACEHOLDERS = {
 
 def wheel_path() -> Path:
     """The wheel in the cache, downloaded on first use."""
-    from vllm_mtpspec.models import cache_root
-
     folder = cache_root() / "wheels"
     path = folder / WHEEL
     if not path.is_file():

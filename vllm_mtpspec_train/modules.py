@@ -7,8 +7,10 @@ from functools import lru_cache
 import torch
 from torch import nn
 
-from training.losses import kd_loss, mtp_losses
 from vllm_mtpspec.sequential_heads import example_chain_tokens
+from vllm_mtpspec.shards import answer_sequence, unroll_sequences
+from vllm_mtpspec_train.examples import shard_examples
+from vllm_mtpspec_train.losses import kd_loss, mtp_losses
 
 
 def _head_metrics(losses) -> dict:
@@ -72,8 +74,6 @@ class BlockModule(PosthocModule):
         return self._shards[path]
 
     def forward(self, batch: dict, generator=None):
-        from training.examples import answer_sequence, shard_examples
-
         device = self.lm_head.device
         k = self.heads.num_heads
         seqs, targets, t_ids, t_lp = [], [], [], []
@@ -99,42 +99,6 @@ class BlockModule(PosthocModule):
         return losses.total, {"loss": losses.total.item(), **_head_metrics(losses)}
 
 
-def unroll_sequences(block, seqs: list[dict], embed: torch.Tensor, query_rows: torch.Tensor | None = None
-                     ) -> torch.Tensor:
-    """answer_sequence()s through DraftBlock.unrolled: [B, T, k, d], every position's
-    chain (what training and the held-out scorer both read); with query_rows [B, Q], the
-    chains of those rows only, [B, Q, k, d]."""
-    device = embed.device
-    batch = {key: value.to(device) for key, value in pad_sequences(seqs, depth=block.num_heads).items()}
-    t = batch["features"].shape[1]
-    token_embeds = [embed[batch["tokens"][:, i:i + t]] for i in range(block.num_heads)]  # depth i + 1 reads s_{p+i+1}
-    return torch.stack(block.unrolled(batch["features"].float(), token_embeds, batch["positions"], batch["valid"],
-                                      batch.get("layer_features"),
-                                      None if query_rows is None else query_rows.to(device)), 2)
-
-
-def pad_sequences(seqs: list[dict], *, depth: int) -> dict[str, torch.Tensor]:
-    """answer_sequence()s -> right-padded [B, T] batches; tokens get depth - 1 more columns
-    so that every depth's token (s_{p+j}) can be read at every position (0 past the end,
-    where no loss looks)."""
-    t = max(s["tokens"].numel() for s in seqs)
-    d = seqs[0]["features"].shape[1]
-    features = torch.zeros(len(seqs), t, d, dtype=seqs[0]["features"].dtype)
-    tokens = torch.zeros(len(seqs), t + depth - 1, dtype=torch.long)
-    positions = torch.zeros(len(seqs), t, dtype=torch.long)
-    valid = torch.zeros(len(seqs), t, dtype=torch.bool)
-    for b, s in enumerate(seqs):
-        n = s["tokens"].numel()
-        features[b, :n], tokens[b, :n], positions[b, :n], valid[b, :n] = s["features"], s["tokens"], s["positions"], True
-    batch = {"features": features, "tokens": tokens, "positions": positions, "valid": valid}
-    if "layer_features" in seqs[0]:
-        layers = torch.zeros(len(seqs), t, *seqs[0]["layer_features"].shape[1:], dtype=features.dtype)
-        for b, s in enumerate(seqs):
-            layers[b, :s["tokens"].numel()] = s["layer_features"]
-        batch["layer_features"] = layers
-    return batch
-
-
 @lru_cache(maxsize=8)
 def _load_shard(path: str) -> dict:
     return torch.load(path, weights_only=True)
@@ -153,8 +117,6 @@ class CotrainModule(nn.Module):
         return [p for p in self.parameters() if p.requires_grad]
 
     def forward(self, batch: dict, generator=None):
-        from training.examples import shard_examples
-
         device = next(self.student.parameters()).device
         k = self.heads.num_heads
         seqs, rows, row_answer = [], [], []

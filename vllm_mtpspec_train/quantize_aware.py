@@ -15,12 +15,13 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from vllm_mtpspec.heads import MTPHeads
 from vllm_mtpspec.calibration_data import statistics_from_rows
+from vllm_mtpspec.heads import MTPHeads
 from vllm_mtpspec.heads_quant import head_linears, quantize_heads
 from vllm_mtpspec.quant import dequantize_int2
 from vllm_mtpspec.quant.fake_int2 import attach, pack
 from vllm_mtpspec.sequential_heads import example_chain_tokens
+from vllm_mtpspec_train.examples import load_examples
 
 logger = logging.getLogger("mtpspec.train")
 
@@ -40,10 +41,10 @@ def quantize_aware(heads: MTPHeads, examples: dict, *, lm_head: torch.Tensor, em
                    group_size: int = 64, lr: float = 1e-5, ranges_lr_scale: float = 0.1, batch_size: int = 256,
                    num_negatives: int = 2048, kl_weight: float = 1.0, seed: int = 0, statistics=None) -> MTPHeads:
     """INT2 heads fine-tuned for `steps` steps with fake-quantized weights (examples:
-    training.examples.load_examples columns). Adam moves every parameter by about lr per
+    vllm_mtpspec_train.examples.load_examples columns). Adam moves every parameter by about lr per
     step whatever its size, and a group's scale is a few times smaller than its weights:
     the ranges learn at lr * ranges_lr_scale, so neither jumps past a code's width."""
-    from training.modules import PosthocModule
+    from vllm_mtpspec_train.modules import PosthocModule
 
     heads = heads.float()
     if statistics is None:
@@ -82,7 +83,6 @@ def int2_copy(heads: MTPHeads, config, train_shards: list[Path], *, lm_head: tor
     on whole answers with their prompt rows), and quantize_aware_steps on top (MLP heads)."""
     if not config.quantize_aware_steps and config.int2_method == "rtn":
         return heads.quantized(group_size=config.int2_group_size)
-    from training.examples import load_examples
 
     files = train_shards[: config.int2_calibration_shards]
     if heads.config.head_kind == "attention":  # whole answers with their prompt rows (no QAT: TrainConfig)

@@ -1,6 +1,6 @@
 """Train an attention draft block on one GPU, straight from the answer files.
 
-The Ray job (training/train.py) reads training shards that a CPU pass wrote to disk, 1-5 KB
+The Ray job (vllm_mtpspec_train/train.py) reads training shards that a CPU pass wrote to disk, 1-5 KB
 a row. On a GPU the frozen target's teacher-forced pass over every prompt and answer token
 takes about a minute and all rows fit in the GPU's memory, so this path keeps them there and
 writes no shards: one batched pass records each kept row's final state (and the states
@@ -10,11 +10,11 @@ before each, every depth unrolled as drafting runs it (DraftBlock.unrolled, the 
 examples and losses as the Ray job's BlockModule), for a wall-clock budget, its learning
 rate decaying with the time spent. The held-out answers are scored before and after.
 
-    python -m training.block_gpu --init-from data/heads/smollm2-135m-instruct-block-v1-layers \\
+    python -m vllm_mtpspec_train.block_gpu --init-from data/heads/smollm2-135m-instruct-block-v1-layers \\
         --answers data/self-distilled/smollm2-135m-instruct/train,... --seconds 300 --out runs/block-v2
 
 The heads written are the block's weights in fp16 with the init's temperatures;
-`python -m training.export` (on the CPU, against held-out shards) fits the temperatures and
+`python -m vllm_mtpspec_train.export` (on the CPU, against held-out shards) fits the temperatures and
 rank accuracies that serving reads.
 """
 from __future__ import annotations
@@ -30,6 +30,11 @@ from pathlib import Path
 
 import torch
 from tqdm import tqdm
+
+from vllm_mtpspec.answers import list_answer_files, read_answers
+from vllm_mtpspec.layer_states import recording_layer_inputs
+from vllm_mtpspec.models import resolve_model
+from vllm_mtpspec_train.losses import mtp_losses
 
 logger = logging.getLogger("mtpspec.block_gpu")
 
@@ -59,14 +64,12 @@ class RowStore:
 def read_answer_dirs(dirs: list[str], *, fingerprint: str | None, vocab_size: int,
                      max_answers: int | None = None) -> list[tuple[list[int], list[int]]]:
     """(prompt ids, answer ids) of every answer in the folders' answer files, in order."""
-    from training.answers import list_answer_files, read_answers
-
     pairs: list[tuple[list[int], list[int]]] = []
     for folder in dirs:
         files = list_answer_files(folder)
         if not files:
             raise FileNotFoundError(f"{folder}: no answer files (answers-*.npz); pass folders that "
-                                    "`python -m training.data --answers-only` wrote")
+                                    "`python -m vllm_mtpspec_train.data --answers-only` wrote")
         for path in files:
             kept = read_answers(path, fingerprint=fingerprint, vocab_size=vocab_size)
             pairs += [(p, a) for p, a in zip(kept["prompt_ids"], kept["answers"]) if len(a) >= 2 and len(p) >= 1]
@@ -94,9 +97,7 @@ def _length_batches(lengths: list[int], batch_tokens: int, order: list[int]) -> 
 def record_rows(model, pairs, *, context_rows: int, feature_layers: list[int], top_k: int, batch_tokens: int,
                 device: torch.device) -> RowStore:
     """The frozen target read along every (prompt, answer): right-padded batches of similar
-    length, one pass each. Row states are what training.answers.teacher_forced records."""
-    from vllm_mtpspec.layer_states import recording_layer_inputs
-
+    length, one pass each. Row states are what vllm_mtpspec_train.answers.teacher_forced records."""
     decoder = model.get_decoder()
     lm_head = model.get_output_embeddings().weight
     d = lm_head.shape[1]
@@ -151,7 +152,7 @@ def batch_examples(store: RowStore, answers: list[int], depth: int) -> dict[str,
     """Answers as one right-padded batch for DraftBlock.unrolled, with the answers' rows as
     query_rows and the loss rows among them: every answer row that has a next token, its
     targets at depths 1..depth (the answer's tokens 1..depth ahead, -1 past its end) and the
-    target's top-k there (what training.examples gives the Ray job's BlockModule)."""
+    target's top-k there (what vllm_mtpspec_train.examples gives the Ray job's BlockModule)."""
     device = store.features.device
     n = torch.tensor([store.context[a] + store.length[a] for a in answers], device=device)
     t = max(store.context[a] + store.length[a] for a in answers)
@@ -188,7 +189,7 @@ def batch_examples(store: RowStore, answers: list[int], depth: int) -> dict[str,
 
 
 def unrolled_states(block, batch: dict, embed: torch.Tensor) -> torch.Tensor:
-    """[B, Q, k, d]: the chains of the batch's query rows (training.modules.unroll_sequences,
+    """[B, Q, k, d]: the chains of the batch's query rows (vllm_mtpspec.shards.unroll_sequences,
     at the answers' rows only)."""
     t = batch["features"].shape[1]
     token_embeds = [embed[batch["tokens"][:, i:i + t]] for i in range(block.num_heads)]
@@ -198,8 +199,6 @@ def unrolled_states(block, batch: dict, embed: torch.Tensor) -> torch.Tensor:
 
 def batch_loss(block, batch: dict, *, embed, lm_head, num_negatives: int, kl_weight: float, depth_decay: float,
                generator=None):
-    from training.losses import mtp_losses
-
     states = unrolled_states(block, batch, embed)
     return mtp_losses(states[batch["loss_b"], batch["loss_r"]], lm_head, batch["targets"], batch["teacher_ids"],
                       batch["teacher_logprobs"], num_negatives=num_negatives, kl_weight=kl_weight,
@@ -211,7 +210,7 @@ def score(block, store: RowStore, *, embed, lm_head, batch_tokens: int) -> dict:
     """Teacher-forced on the store's answers: per-depth top-1 and conditional top-1 (the
     chance depth i is right when depths 1..i-1 were), over the whole vocabulary, and the
     chain's expected accepted length 1 + a1 + a1 a2 + ... for k = 1..depth."""
-    from training.evaluate import chain_hits
+    from vllm_mtpspec_train.evaluate import chain_hits
 
     k = block.num_heads
     device = store.features.device
@@ -301,7 +300,7 @@ def train(block, store: RowStore, *, embed, lm_head, seconds: float, batch_token
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="python -m training.block_gpu",
+        prog="python -m vllm_mtpspec_train.block_gpu",
         description="Train an attention draft block on one GPU from answer files, with the frozen target's "
                     "states held in GPU memory (no shards on disk), for a wall-clock budget.")
     parser.add_argument("--model", default="smollm2-135m-instruct", help="the target: a known name or an HF folder")
@@ -337,7 +336,6 @@ def main(argv: list[str] | None = None) -> int:
     from transformers import AutoModelForCausalLM
 
     from vllm_mtpspec.checkpoint import check_heads_match_model, load_heads, model_fingerprint, save_heads
-    from vllm_mtpspec.models import resolve_model
 
     device = torch.device(args.device)
     torch.manual_seed(args.seed)

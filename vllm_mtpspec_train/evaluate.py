@@ -20,6 +20,7 @@ from vllm_mtpspec.grown_tree import grow_trees
 from vllm_mtpspec.heads import MTPHeads
 from vllm_mtpspec.lookup import lookup_draft
 from vllm_mtpspec.sequential_heads import chain_tokens
+from vllm_mtpspec.shards import ShardsError, answer_sequence, has_context_rows, unroll_sequences
 from vllm_mtpspec.tree import TreeShape, build_static_shape
 
 # Context length (prompt tokens, the conversation so far for later turns) buckets reported apart.
@@ -58,12 +59,9 @@ def answer_head_logits(heads: MTPHeads, hidden, tokens, lm_head, embed, chunk: i
 def block_answer_logits(block, shard: dict, j: int, lm_head, embed, chunk: int = 256):
     """answer_head_logits for an attention draft block: the answer is read with the prompt
     rows before it, every depth as drafting runs it along a chain that is still right."""
-    from training.examples import ShardsError, answer_sequence, has_context_rows
-    from training.modules import unroll_sequences
-
     if not has_context_rows(shard):
         raise ShardsError("an attention draft block is scored with the prompt rows before each answer, and these "
-                         "shards carry none (context_hidden): rebuild them with `python -m training.data "
+                         "shards carry none (context_hidden): rebuild them with `python -m vllm_mtpspec_train.data "
                          "--context-rows 512`")
     project = block.lm_head_for(lm_head) if isinstance(lm_head, torch.Tensor) else lm_head
     k = block.num_heads
@@ -167,7 +165,6 @@ def block_grown_trees_along(block, shard: dict, j: int, project, embed: torch.Te
     """grown_trees_along for an attention draft block: at every row of answer j, the tree
     it grows from a cache of the rows up to that one (the prompt rows kept before the
     answer, then the answer's), as serving grows it (DraftBlock.tree_step)."""
-    from training.examples import answer_sequence
     from vllm_mtpspec.draft_block import BlockCache
 
     seq = answer_sequence(shard, j, block.feature_layers)

