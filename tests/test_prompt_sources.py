@@ -49,6 +49,9 @@ def test_a_conversation_is_held_out_with_all_its_turns():
     assert 0 < len(held) < 2000 / HELD_OUT_EVERY * 2
     for conversation in conversations[:200]:
         assert all(is_held_out(f"{conversation}#{t}") == is_held_out(conversation) for t in (1, 2, 7))
+        # ... and with every part of it, where the dataset cut it into parts ("<id>_<part>").
+        assert all(is_held_out(f"{conversation}_{part}{turn}") == is_held_out(conversation)
+                   for part in (0, 1, 19) for turn in ("", "#3"))
 
 
 def test_a_long_conversation_loses_its_oldest_exchanges_first(tiny_smol_teacher):

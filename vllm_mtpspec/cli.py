@@ -293,7 +293,7 @@ COMMANDS_GROUP = "mtpspec.commands"
 TRAIN_EXTRA = 'pip install "vllm-mtpspec[train]"'
 # Provided by vllm_mtpspec_train (the train extra); named here only so that `mtpspec train`
 # without it says what to install instead of "invalid choice".
-TRAINING_COMMANDS = ("train", "eval-heads")
+TRAINING_COMMANDS = ("train", "eval-heads", "audit-held-out")
 
 
 def add_plugin_commands(sub) -> None:

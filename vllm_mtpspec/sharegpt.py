@@ -62,12 +62,21 @@ def guess_category(text: str) -> str:
 
 
 TURN_SEPARATOR = "#"  # a later turn's id: "<conversation id>#<turn>"
+# ShareGPT V3's split file cuts a long conversation into parts "<id>_0", "<id>_1", ...
+_PART = re.compile(r"_\d+$")
+
+
+def conversation_of(prompt_id: str) -> str:
+    """The conversation a prompt comes from: its id without a later turn's "#<turn>" and
+    without the part suffix of a conversation the dataset cut into parts."""
+    return _PART.sub("", prompt_id.split(TURN_SEPARATOR, 1)[0])
 
 
 def is_held_out(prompt_id: str) -> bool:
-    """Chosen by the conversation's id, so every turn of a held-out conversation is held out."""
-    conversation = prompt_id.split(TURN_SEPARATOR, 1)[0]
-    return int(hashlib.sha1(conversation.encode()).hexdigest(), 16) % HELD_OUT_EVERY == 0
+    """Chosen by the conversation, so every turn of every part of a held-out conversation is
+    held out: parts of one conversation continue each other, and a split by part would train
+    on the text a held-out part goes on with."""
+    return int(hashlib.sha1(conversation_of(prompt_id).encode()).hexdigest(), 16) % HELD_OUT_EVERY == 0
 
 
 def sharegpt_prompts(path: str | Path | None = None, *, max_chars: int = 2000) -> list[Prompt]:

@@ -113,3 +113,38 @@ def cmd_eval_heads(args) -> int:
         for name, stats in report["per_source"].items():
             print(f"  [source {name}] rows {stats['rows']}: top-1 {stats['top1']}, accepted {stats['mean_accepted_len']}")
     return 0
+
+
+def add_audit_held_out_command(sub) -> None:
+    p = sub.add_parser("audit-held-out", help="drop held-out prompts that the training answers hold, or nearly repeat",
+                       description="Reads training and held-out answer files, removes every held-out prompt from a "
+                                   "conversation the training answers hold a part of, and every near-duplicate of a "
+                                   "training prompt (Jaccard similarity of 5-token shingles at or above --threshold), "
+                                   "says how many of each, and writes the held-out answers that remain to --out "
+                                   "(with audit.json).")
+    p.add_argument("--train", required=True, help="training answer folders, separated by commas")
+    p.add_argument("--held-out", required=True, help="held-out answer folders, separated by commas")
+    p.add_argument("--out", default=None, help="folder for the held-out answer files that remain")
+    p.add_argument("--threshold", type=float, default=None, help="Jaccard similarity that counts as a near-duplicate "
+                                                                   "(default 0.5)")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.set_defaults(func=cmd_audit_held_out)
+
+
+def cmd_audit_held_out(args) -> int:
+    from dataclasses import asdict
+
+    from vllm_mtpspec.near_duplicates import THRESHOLD
+    from vllm_mtpspec_train.held_out_audit import audit_held_out, write_clean
+
+    train = [d for d in args.train.split(",") if d]
+    held_out = [d for d in args.held_out.split(",") if d]
+    audit = audit_held_out(train, held_out, threshold=THRESHOLD if args.threshold is None else args.threshold)
+    written = write_clean(held_out, audit, args.out, train_dirs=train) if args.out else []
+    if args.json:
+        print_json({**asdict(audit), "written": [str(p) for p in written]}, indent=1)
+    else:
+        print(audit.summary())
+        for path in written:
+            print(path)
+    return 0
