@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from vllm_mtpspec.held_out_sources import held_out_prompts
 from vllm_mtpspec.prompts import Prompt, PromptsError, load_prompts_jsonl
 from vllm_mtpspec.sharegpt import guess_category, iter_sharegpt, sharegpt_later_turns, sharegpt_path, sharegpt_prompts
 from vllm_mtpspec_train.dataframebench import dataframebench_prompts
@@ -12,8 +13,17 @@ PROMPT_SOURCES = {"sharegpt": sharegpt_prompts, "sharegpt-later-turns": sharegpt
                   "dataframebench": dataframebench_prompts}
 
 
+HELD_OUT_SOURCES = "held-out-sources"  # "held-out-sources[:N]": N prompts of each source the drafters never train on
+
+
 def load_prompt_source(name: str) -> list[Prompt]:
-    """A named source (PROMPT_SOURCES) or a file (load_training_prompts)."""
+    """A named source (PROMPT_SOURCES), the held-out sources ("held-out-sources:N", N per
+    source, default 16), or a file (load_training_prompts)."""
+    if name == HELD_OUT_SOURCES or name.startswith(f"{HELD_OUT_SOURCES}:"):
+        count = name.partition(":")[2] or "16"
+        if not count.isdigit():
+            raise PromptsError(f"prompts {name!r}: write {HELD_OUT_SOURCES}:N with N a number of prompts per source")
+        return held_out_prompts(per_source=int(count))
     source = PROMPT_SOURCES.get(name)
     return source() if source is not None else load_training_prompts(name)
 
