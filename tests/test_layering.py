@@ -1,4 +1,4 @@
-"""Layering (issue 43): the library never imports the training job, nothing imports a
+"""Layering: the library never imports the training job, nothing imports a
 top-level `training`, and the modules of both packages import each other without cycles.
 
 Read with `ast`, so nothing is imported and the test is fast. Every import statement

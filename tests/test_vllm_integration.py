@@ -693,8 +693,10 @@ def test_mtpspec_info_lines_reach_vllms_log_handler_in_a_vllm_process():
     assert "below the level" not in out.stdout + out.stderr
 
 
-def full_precision_parallel_heads():
-    """The small parallel heads with every matrix the values its INT2 codes stand for."""
+def token_reading_parallel_heads():
+    """The small parallel heads in full precision (every matrix the values its INT2 codes
+    stand for), made to read the drafted token as sequential heads must (head_input
+    hidden+token) with zero weight on it, so that they draft as they were trained."""
     import torch
 
     from vllm_mtpspec.checkpoint import load_heads
@@ -703,12 +705,16 @@ def full_precision_parallel_heads():
     from vllm_mtpspec.quant.int2 import dequantize_int2
 
     int2 = load_heads(PARALLEL_HEADS)
-    heads = MTPHeads(HeadsConfig.from_dict({**int2.config.to_dict(), "quantization": None}))
+    assert int2.config.head_input == "hidden"
+    heads = MTPHeads(HeadsConfig.from_dict({**int2.config.to_dict(), "quantization": None,
+                                            "head_input": "hidden+token", "embed_scale": 1.0}))
     with torch.no_grad():
         for name, module in heads.named_modules():
             if isinstance(module, torch.nn.Linear):
                 quantized = int2.get_submodule(name)
-                module.weight.copy_(dequantize_int2(quantized.qweight))
+                weight = dequantize_int2(quantized.qweight)
+                module.weight.zero_()
+                module.weight[:, :weight.shape[1]].copy_(weight)  # [h; e]: the state's columns first
                 if module.bias is not None:
                     module.bias.copy_(quantized.bias)
     return heads
@@ -723,7 +729,7 @@ def sequential_heads_dir(tmp_path_factory):
     from vllm_mtpspec.checkpoint import save_heads
     from vllm_mtpspec.sequential_heads import SequentialHeads
 
-    heads = SequentialHeads.from_parallel(full_precision_parallel_heads())
+    heads = SequentialHeads.from_parallel(token_reading_parallel_heads())
     return save_heads(heads.with_draft_vocab(torch.arange(16384)), tmp_path_factory.mktemp("sequential"))
 
 
@@ -734,7 +740,7 @@ def sequential_int2_heads_dir(tmp_path_factory):
     from vllm_mtpspec.config import HeadsConfig
     from vllm_mtpspec.sequential_heads import SequentialHeads
 
-    seeded = SequentialHeads.from_parallel(full_precision_parallel_heads())
+    seeded = SequentialHeads.from_parallel(token_reading_parallel_heads())
     heads = SequentialHeads(HeadsConfig.from_dict({**seeded.config.to_dict(), "draft_vocab_size": 0}))
     heads.load_state_dict({k: v for k, v in seeded.state_dict().items() if k != "draft_token_ids"})
     assert heads.draft_vocab is None

@@ -30,7 +30,7 @@ PACE_COHORTS = ("never", "sampled", "always")
 # Options that were removed -> what to give instead: refused by name at start-up, not as
 # unknown keys, so that a config written for an older release says what to change.
 RETIRED_OPTIONS = {
-    # The learned draft size (issue 43): never ahead of the fixed back-off consistently,
+    # The learned draft size: never ahead of the fixed back-off consistently,
     # superseded by the planner.
     "adaptive_draft_size": "it turned on the learned draft size, which the planner superseded: drop it, and "
                            "give draft_size='planned' where it was true",
