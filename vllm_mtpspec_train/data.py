@@ -171,11 +171,20 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--feature-layers", type=parse_layer_list, default=[],
                         help="comma-separated target layers (e.g. 2,15,27) whose input states the shards keep at every "
                              "row too: what a draft block with block.feature_layers reads (EAGLE-3)")
+    parser.add_argument("--from-answers", action="store_true",
+                        help="build shards from the answer files in --answers alone, whatever prompts made them "
+                             "(an audited held-out folder, say): no prompt source is read, nothing is generated")
     parser.add_argument("--split", choices=("train", "held-out", "all"), default="train")
     # fp32: on CPUs without native bf16 (AVX2) vLLM's fp32 path is far faster.
     parser.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    if args.from_answers:
+        if not args.answers:
+            parser.error("--from-answers reads the answer files of --answers: give that folder")
+        shards_from_answers(resolve_model(args.model, dtype=args.dtype), args.answers, args.out, top_k=args.top_k,
+                            context_rows=args.context_rows, feature_layers=args.feature_layers)
+        return
     prompts = load_prompt_source(args.prompts)
     if args.split != "all":
         want_held_out = args.split == "held-out"
