@@ -421,3 +421,9 @@ def test_an_engine_waiting_for_its_turn_spends_no_cpu():
     finally:
         process.kill()
         process.join()
+
+
+def test_the_held_out_sources_are_bench_prompts_by_name():
+    prompts = load_bench_prompts("gsm8k,chitchat", 4)
+    assert [p.category for p in prompts] == ["gsm8k", "chitchat"] * 2
+    assert all(p.history for p in prompts if p.category == "chitchat")

@@ -11,10 +11,12 @@ import importlib.util
 import json
 from pathlib import Path
 
+from vllm_mtpspec.held_out_sources import SOURCES as HELD_OUT_SOURCES
+from vllm_mtpspec.held_out_sources import held_out_prompts
 from vllm_mtpspec.prompts import Prompt, PromptsError, load_prompts_jsonl
 from vllm_mtpspec.sharegpt import is_held_out, sharegpt_later_turns, sharegpt_prompts
 
-NAMED_SOURCES = ("humaneval", "sharegpt-held-out", "sharegpt-later-turns-held-out")
+NAMED_SOURCES = ("humaneval", "sharegpt-held-out", "sharegpt-later-turns-held-out", *HELD_OUT_SOURCES)
 
 
 def humaneval_prompts() -> list[Prompt]:
@@ -48,6 +50,8 @@ def load_bench_prompts(sources: str, limit: int) -> list[Prompt]:
             lists.append(sharegpt_held_out_prompts())
         elif source == "sharegpt-later-turns-held-out":
             lists.append(sharegpt_later_turns_held_out_prompts())
+        elif source in HELD_OUT_SOURCES:  # one source the drafters never trained on, by name
+            lists.append(held_out_prompts([source], per_source=limit))
         elif Path(source).suffix == ".jsonl" or Path(source).is_file():
             lists.append(load_prompts_jsonl(source))
         else:
