@@ -153,7 +153,7 @@ def main() -> None:
     from vllm import SamplingParams
 
     from vllm_mtpspec.bench.in_process import in_process_engine
-    from vllm_mtpspec.bench.stamp import cpu, stamp
+    from vllm_mtpspec.bench.stamp import stamp
     from vllm_mtpspec.shipped import shipped_heads_dir
 
     events: list[dict] = []
@@ -175,8 +175,9 @@ def main() -> None:
             tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
             rounds.append(dict(round=r, seconds=seconds, tokens=tokens, **summarize(events[first:])))
             print(json.dumps(rounds[-1]))
-    result = dict(machine=f"{cpu()['model']}, {cpu()['count']} CPUs", stamp=stamp(), batch_size=args.batch_size,
-                  temperature=args.temperature, dtype=args.dtype, speculation=args.speculation,
+    run_stamp = stamp()
+    result = dict(machine=f"{run_stamp['cpu']['model']}, {run_stamp['cpu']['count']} CPUs", stamp=run_stamp,
+                  batch_size=args.batch_size, temperature=args.temperature, dtype=args.dtype, speculation=args.speculation,
                   pace_cohorts=args.pace_cohorts, rounds=rounds, all=summarize(events), events=events)
     Path(args.json).write_text(json.dumps(result, indent=1))
     print(json.dumps(result["all"], indent=1))

@@ -234,9 +234,10 @@ def main() -> None:
                 runs[config].append(timing if args.no_profile else dict(per_step(out), **timing))
                 print(f"round {r + 1}, {config}: {timing['tokens'] / timing['seconds']:.1f} tokens/s"
                       + ("" if args.no_profile else f", {runs[config][-1]['steps']} steps"), flush=True)
-    from vllm_mtpspec.bench.stamp import cpu, stamp
+    from vllm_mtpspec.bench.stamp import stamp
 
-    machine = dict(machine=f"{cpu()['model']}, {cpu()['count']} CPUs", stamp=stamp())
+    run_stamp = stamp()
+    machine = dict(machine=f"{run_stamp['cpu']['model']}, {run_stamp['cpu']['count']} CPUs", stamp=run_stamp)
     if args.no_profile:
         report_timings(runs, configs, Path(args.json), dict(**machine, batch_size=args.batch_size,
                                                            temperature=args.temperature, rounds=args.rounds))

@@ -119,9 +119,11 @@ def keep_one_arch(path: Path) -> int:
     return zeroed
 
 
-def tracked_tree_bytes() -> int:
+def tracked_file_sizes() -> dict[Path, int]:
+    """Every file git tracks here, with its size: what a device call carries of the repository."""
     listed = subprocess.run(["git", "ls-files", "-z"], cwd=ROOT, capture_output=True, check=True).stdout
-    return sum((ROOT / n).stat().st_size for n in listed.decode().split("\0") if n and (ROOT / n).is_file())
+    paths = [ROOT / name for name in listed.decode().split("\0") if name]
+    return {path: path.stat().st_size for path in paths if path.is_file()}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -149,7 +151,7 @@ def main(argv: list[str] | None = None) -> int:
           f"non-sm_{KEEP_ARCH} GPU code")
     with tarfile.open(BUNDLE, "w:xz", preset=6) as tar:
         tar.add(site, arcname="site")
-    bundle, tree = BUNDLE.stat().st_size, tracked_tree_bytes()
+    bundle, tree = BUNDLE.stat().st_size, sum(tracked_file_sizes().values())
     print(f"bundle: {BUNDLE.relative_to(ROOT)} {bundle / 2**20:.1f} MiB; tracked tree {tree / 2**20:.1f} MiB; "
           f"together {(bundle + tree) / 2**20:.1f} MiB of a {BUDGET >> 20} MiB budget ({CALL_LIMIT >> 20} MiB a call)")
     if bundle + tree > BUDGET:

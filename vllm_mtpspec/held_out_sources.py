@@ -7,6 +7,7 @@ fixed order (by a hash of the record's id), so a count of N is the same N prompt
 Licences are the datasets' own, as their packages state them."""
 from __future__ import annotations
 
+import functools
 import hashlib
 import importlib.util
 import inspect
@@ -113,6 +114,7 @@ def _mmlu() -> list[Prompt]:
     return prompts
 
 
+@functools.cache  # two sources read the same 40 MB file
 def _chitchat() -> dict:
     return json.loads((package_dir("chitchat_dataset", "chitchat-dataset") / "dataset.json").read_text())
 

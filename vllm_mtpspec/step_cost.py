@@ -30,9 +30,9 @@ class DecayingMean:
     weight: float = 0.0
     samples: int = 0
 
-    def add(self, x: float, weight: float = 1.0) -> None:
-        self.weight = self.weight * self.decay + weight
-        self.value += (x - self.value) * weight / self.weight
+    def add(self, x: float) -> None:
+        self.weight = self.weight * self.decay + 1.0
+        self.value += (x - self.value) / self.weight
         self.samples += 1
 
 
