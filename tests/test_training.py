@@ -244,6 +244,37 @@ def test_an_attention_draft_block_trains_on_answers_read_with_their_prompt_rows(
         TrainConfig(feature_layers=[2])
 
 
+def test_online_block_two_workers_repeats_step_for_step_and_resumes_from_a_killed_worker(tiny_smol_teacher, tiny_data,
+                                                                                          tmp_path):
+    """data_source 'online': each of 2 workers records its share of the answers with the target and
+    trains on it, no shards written. A run with the same config and seed repeats step for step, a
+    killed worker included: back from the last checkpoint, it takes the steps the first run took."""
+    from vllm_mtpspec.checkpoint import load_heads
+    from vllm_mtpspec.draft_block import DraftBlock
+
+    common = dict(model=str(tiny_smol_teacher), head_kind="attention", data_source="online", num_heads=2,
+                  train_answers=str(tiny_data / "train" / "answers"), held_out_data=str(tmp_path / "held"),
+                  held_out_answers=str(tiny_data / "held" / "answers"), context_rows=16, batch_rows=128,
+                  max_steps=7, warmup_steps=2, lr=3e-3, num_negatives=256, num_workers=2, checkpoint_every=3,
+                  log_every=1, storage_path=str(tmp_path / "ray"), int2_group_size=None)
+    summary = run_training(TrainConfig(**common, name="online", out=str(tmp_path / "heads")))
+    run_training(TrainConfig(**common, name="killed", fail_at_step=5, max_failures=1, out=str(tmp_path / "again")))
+    first = {r["step"]: r["loss"] for r in metrics(tmp_path / "ray" / "online") if "loss" in r}
+    rows = metrics(tmp_path / "ray" / "killed")
+    assert [r["step"] for r in rows if r.get("event") == "resumed"] == [3]  # died at 5, back from step 3
+    again = [(r["step"], r["loss"]) for r in rows if "loss" in r]
+    assert [step for step, _ in again] == [1, 2, 3, 4, 4, 5, 6, 7]
+    assert sorted(first) == list(range(1, 8)) and len(set(first.values())) == 7
+    assert all(loss == first[step] for step, loss in again), (first, again)
+    assert not list(tmp_path.glob("ray/*/shard-*.pt"))  # nothing written for training but checkpoints
+    block = load_heads(summary["heads_dir"])
+    assert isinstance(block, DraftBlock) and block.num_heads == 2
+    init = load_heads(tmp_path / "ray" / "online" / "init-heads")
+    assert not torch.equal(block.q_proj.weight, init.q_proj.weight)  # it trained
+    assert summary["steps"] == 7 and summary["train_answers"] == 8
+    assert len(summary["held_out"]["fp32"]["conditional_top1"]) == 2  # scored on the held-out shards built for it
+
+
 def test_clear_errors(tiny_smol_teacher, tmp_path):
     not_jsonl = tmp_path / "prompts.jsonl"
     not_jsonl.write_text("just some text\nthat is not json\n")

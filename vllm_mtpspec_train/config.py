@@ -8,8 +8,10 @@ from pathlib import Path
 from typing import Any
 
 from vllm_mtpspec.config import HEAD_KINDS, reject_unknown_keys
+from vllm_mtpspec.shards import CONTEXT_ROWS
 
 MODES = ("posthoc", "cotrain")
+DATA_SOURCES = ("shards", "online")
 
 
 class TrainConfigError(ValueError):
@@ -33,6 +35,13 @@ class TrainConfig:
     max_prompts: int | None = None
     max_new_tokens: int = 256
     max_train_shards: int | None = None         # the first N shards only (same-budget comparisons)
+    # "shards": the target's states read from shards on disk (train_data). "online" (an
+    # attention block, post-hoc): each worker runs the frozen target over its share of the
+    # train_answers folders and keeps the rows in memory; no shards (vllm_mtpspec_train/online.py).
+    data_source: str = "shards"
+    context_rows: int = CONTEXT_ROWS           # an attention block's prompt rows read before each answer
+    batch_rows: int = 32768                    # online: rows per worker's batch of whole answers, padding included
+    record_batch_rows: int = 65536             # online: tokens per pass of the target
     # Heads
     head_kind: str = "parallel"                # "parallel" or "sequential" heads, or an "attention" draft block
     num_heads: int = 4                         # draft depths trained
@@ -44,9 +53,12 @@ class TrainConfig:
     # (EAGLE-3); a block in init_from that reads none grows the new fusion, starting at 0.
     feature_layers: list[int] = field(default_factory=list)
     # Optimisation
+    # The schedule is in steps: warm-up, then the learning rate falls linearly with the step
+    # to the last one (min(max_steps, epochs' worth)); online, max_steps alone sets it.
     epochs: int = 2
     max_steps: int | None = None
-    batch_size: int = 256
+    warmup_steps: int = 50
+    batch_size: int = 256                      # shards: rows (answers for a block or a student) per worker's batch
     lr: float = 1e-3
     weight_decay: float = 0.0
     num_negatives: int = 2048
@@ -64,6 +76,7 @@ class TrainConfig:
     storage_path: str = "runs/ray"
     name: str = "mtpspec-heads"
     checkpoint_every: int = 200                # steps
+    log_every: int = 10                        # steps between rows of metrics.jsonl
     max_failures: int = 2
     fail_at_step: int | None = None            # for testing recovery: a worker dies once here
     # Output
@@ -116,7 +129,8 @@ class TrainConfig:
         if not 0.0 < self.depth_loss_decay <= 1.0:
             raise TrainConfigError(f"depth_loss_decay={self.depth_loss_decay}: must lie in (0, 1] (1: every depth alike)")
         datas, answers = self.train_data, self.train_answers
-        if isinstance(answers, list) and (not isinstance(datas, list) or len(answers) != len(datas)):
+        online = self.data_source == "online"  # train_answers alone, no shard folders to pair them with
+        if isinstance(answers, list) and not online and (not isinstance(datas, list) or len(answers) != len(datas)):
             raise TrainConfigError(f"train_answers has {len(answers)} folders and train_data "
                                    f"{len(datas) if isinstance(datas, list) else 1}: give one answers folder per "
                                    "train_data folder, in the same order (or leave train_answers out)")
@@ -127,6 +141,38 @@ class TrainConfig:
                                    "folder, or make each source's answers first (python -m vllm_mtpspec_train.data)")
         if self.max_train_shards is not None and self.max_train_shards < 1:
             raise TrainConfigError(f"max_train_shards={self.max_train_shards}: must be >= 1 (or null for all)")
+        for name in ("warmup_steps", "checkpoint_every", "log_every", "context_rows", "batch_rows",
+                     "record_batch_rows"):
+            if not isinstance(getattr(self, name), int) or getattr(self, name) < (0 if name == "context_rows" else 1):
+                raise TrainConfigError(f"{name}={getattr(self, name)!r}: must be a whole number >= "
+                                       f"{0 if name == 'context_rows' else 1}")
+        if self.max_steps is not None and (not isinstance(self.max_steps, int) or self.max_steps < 1):
+            raise TrainConfigError(f"max_steps={self.max_steps!r}: must be a whole number >= 1 (or null: the epochs)")
+        self._check_online()
+
+    def _check_online(self) -> None:
+        if self.data_source not in DATA_SOURCES:
+            raise TrainConfigError(f"data_source={self.data_source!r}: choose one of {DATA_SOURCES}")
+        if self.data_source != "online":
+            return
+        if self.head_kind != "attention":
+            raise TrainConfigError(f"data_source='online' with head_kind={self.head_kind!r}: the online path trains "
+                                   "an attention draft block so far; set head_kind='attention' or "
+                                   "data_source='shards'")
+        if not self.train_answers:
+            raise TrainConfigError("data_source='online' reads answer files: set train_answers to the answer "
+                                   "folders (one or a list), e.g. data/self-distilled/smollm2-135m-instruct/train")
+        if self.prompts:
+            raise TrainConfigError("data_source='online' trains on answer files that exist: remove 'prompts' and "
+                                   "make the answers first (python -m vllm_mtpspec_train.data --answers-only)")
+        if self.max_steps is None:
+            raise TrainConfigError("data_source='online': the schedule is in steps, and an epoch's steps are only "
+                                   "known once the workers have recorded their rows; set max_steps (e.g. 1000)")
+        if self.int2_group_size and self.int2_method != "rtn":
+            raise TrainConfigError(f"data_source='online' with int2_method={self.int2_method!r}: calibrated INT2 "
+                                   "methods read training shards, which the online path does not write; use "
+                                   "int2_method 'rtn', or quantize afterwards with `mtpspec heads quantize "
+                                   "--calibration SHARDS`")
 
     @property
     def train_sources(self) -> list[tuple[str, str | None]]:

@@ -2,10 +2,9 @@
 temperature per head on held-out data, record measured rank accuracies (static trees use
 them), evaluate, and draw the loss curves.
 
-Heads trained elsewhere (vllm_mtpspec_train/block_gpu.py) are calibrated the same way on the CPU:
+Heads trained outside the job are calibrated the same way on the CPU:
 
-    python -m vllm_mtpspec_train.export runs/block-v2/heads --held-out runs/sd-ctx-layers/held-out \
-        --out data/heads/smollm2-135m-instruct-block-v2-layers
+    python -m vllm_mtpspec_train.export HEADS_DIR --held-out runs/sd-ctx-layers/held-out --out CALIBRATED_DIR
 """
 from __future__ import annotations
 

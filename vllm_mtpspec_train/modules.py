@@ -11,6 +11,7 @@ from vllm_mtpspec.sequential_heads import example_chain_tokens
 from vllm_mtpspec.shards import answer_sequence, unroll_sequences
 from vllm_mtpspec_train.examples import shard_examples
 from vllm_mtpspec_train.losses import kd_loss, mtp_losses
+from vllm_mtpspec_train.online import batch_loss
 
 
 def _head_metrics(losses) -> dict:
@@ -96,6 +97,18 @@ class BlockModule(PosthocModule):
         losses = mtp_losses(stacked[row_b, row_p], self.lm_head, torch.cat(targets).to(device),
                             torch.cat(t_ids).to(device), torch.cat(t_lp).to(device), num_negatives=self.num_negatives,
                             kl_weight=self.kl_weight, depth_decay=self.depth_decay, generator=generator)
+        return losses.total, {"loss": losses.total.item(), **_head_metrics(losses)}
+
+
+class OnlineBlockModule(PosthocModule):
+    """An attention draft block on the rows its worker recorded itself (data_source "online",
+    vllm_mtpspec_train/online.py). Batches are whole answers with their context rows, laid out
+    by online.batch_examples on the rows' device; every depth unrolled as in BlockModule."""
+
+    def forward(self, batch: dict, generator=None):
+        losses = batch_loss(self.heads, batch, embed=self.embed, lm_head=self.lm_head,
+                            num_negatives=self.num_negatives, kl_weight=self.kl_weight,
+                            depth_decay=self.depth_decay, generator=generator)
         return losses.total, {"loss": losses.total.item(), **_head_metrics(losses)}
 
 

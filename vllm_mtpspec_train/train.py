@@ -26,7 +26,7 @@ import torch
 
 from vllm_mtpspec.answers import list_answer_files
 from vllm_mtpspec.models import resolve_model
-from vllm_mtpspec.shards import CONTEXT_ROWS, ShardsError, has_context_rows, layer_columns, list_shards
+from vllm_mtpspec.shards import ShardsError, has_context_rows, layer_columns, list_shards
 from vllm_mtpspec.sharegpt import is_held_out
 from vllm_mtpspec_train.config import TrainConfig, TrainConfigError
 from vllm_mtpspec_train.examples import shard_examples
@@ -34,33 +34,38 @@ from vllm_mtpspec_train.prompts import load_prompt_source
 
 logger = logging.getLogger("mtpspec.train")
 METRICS_FILE = "metrics.jsonl"
+TOP_K = 8  # the target's top-k kept per answer row for the KL term, as the shards keep it
 
 
 # --------------------------------------------------------------------------- worker side
+def lr_factor(step: int, *, warmup_steps: int, total_steps: int) -> float:
+    """The learning rate's multiplier at a step: a linear warm-up, then a linear fall to 5% at
+    the last step. A function of the step alone, so that a run (and a resumed one) repeats."""
+    return min(1.0, (step + 1) / warmup_steps) * max(0.05, 1 - step / max(total_steps, 1))
+
+
 def _restore(model, optimizer):
+    """(step, epoch, batches of that epoch done, restored?) from the last checkpoint."""
     import ray.train
 
     checkpoint = ray.train.get_checkpoint()
     if checkpoint is None:
-        return 0, 0, False
+        return 0, 0, 0, False
     with checkpoint.as_directory() as folder:
         state = torch.load(Path(folder) / "state.pt", weights_only=False)
     model.load_state_dict(state["model"])
     optimizer.load_state_dict(state["optimizer"])
-    return state["step"], state["epoch"], True
+    return state["step"], state["epoch"], state.get("epoch_batches", 0), True
 
 
-def _report(metrics: dict, *, model, optimizer, step: int, epoch: int, with_checkpoint: bool) -> None:
+def _report(metrics: dict, *, model, optimizer, step: int, epoch: int, epoch_batches: int) -> None:
     import ray.train
 
-    if not with_checkpoint:
-        ray.train.report(metrics)
-        return
     with tempfile.TemporaryDirectory() as folder:
         checkpoint = None
         if ray.train.get_context().get_world_rank() == 0:
-            torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(), "step": step, "epoch": epoch},
-                       Path(folder) / "state.pt")
+            torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(), "step": step, "epoch": epoch,
+                        "epoch_batches": epoch_batches}, Path(folder) / "state.pt")
             checkpoint = ray.train.Checkpoint.from_directory(folder)
         ray.train.report(metrics, checkpoint=checkpoint)
 
@@ -81,15 +86,9 @@ def _fail_once(loop_config: dict, step: int) -> None:
 
 def _build_module(loop_config: dict):
     from vllm_mtpspec.checkpoint import load_heads
-    from vllm_mtpspec_train.modules import BlockModule, CotrainModule, PosthocModule
+    from vllm_mtpspec_train.modules import BlockModule, CotrainModule, OnlineBlockModule, PosthocModule
 
     heads = load_heads(loop_config["init_heads"])
-    if heads.config.head_kind == "attention":
-        from vllm_mtpspec.weights import embedding_and_lm_head
-
-        embed, lm_head = embedding_and_lm_head(loop_config["model_dir"])
-        return BlockModule(heads, lm_head=lm_head, embed=embed, num_negatives=loop_config["num_negatives"],
-                           kl_weight=loop_config["kl_weight"], depth_decay=loop_config["depth_loss_decay"])
     if loop_config["mode"] == "cotrain":
         from transformers import AutoModelForCausalLM
 
@@ -99,18 +98,58 @@ def _build_module(loop_config: dict):
     from vllm_mtpspec.weights import embedding_and_lm_head
 
     embed, lm_head = embedding_and_lm_head(loop_config["model_dir"])
-    return PosthocModule(heads, lm_head=lm_head, embed=embed, num_negatives=loop_config["num_negatives"],
-                         kl_weight=loop_config["kl_weight"], depth_decay=loop_config["depth_loss_decay"])
+    kind = PosthocModule
+    if heads.config.head_kind == "attention":
+        kind = OnlineBlockModule if loop_config["data_source"] == "online" else BlockModule
+    return kind(heads, lm_head=lm_head, embed=embed, num_negatives=loop_config["num_negatives"],
+                kl_weight=loop_config["kl_weight"], depth_decay=loop_config["depth_loss_decay"])
+
+
+def _shard_epochs(loop_config: dict):
+    """epoch -> its batches, from this worker's shard of the Ray dataset (streamed)."""
+    import ray.train
+
+    shard = ray.train.get_dataset_shard("train")
+
+    def batches(epoch: int):
+        return shard.iter_batches(batch_size=loop_config["batch_size"], batch_format="numpy", drop_last=True,
+                                  local_shuffle_buffer_size=20000, local_shuffle_seed=loop_config["seed"] + epoch)
+
+    return batches, loop_config["epochs"]
+
+
+def _online_epochs(loop_config: dict, *, rank: int, world_size: int, device: torch.device, num_heads: int):
+    """epoch -> its batches, from the rows this worker recorded of its share of the answers.
+    Epochs do not end the run (max_steps does): each worker's share has its own count of
+    batches, and every worker must take the same number of steps."""
+    from vllm_mtpspec_train.online import batch_examples, epoch_batches, record_share, seed_of
+
+    store = record_share(loop_config["model_dir"], loop_config["train_answers"], rank=rank, world_size=world_size,
+                         context_rows=loop_config["context_rows"], feature_layers=loop_config["feature_layers"],
+                         top_k=TOP_K, batch_tokens=loop_config["record_batch_rows"], device=device)
+    logger.info("worker %d: %d rows of %d answers recorded", rank, store.features.shape[0], store.num_answers)
+
+    def batches(epoch: int):
+        for answers in epoch_batches(store, batch_rows=loop_config["batch_rows"],
+                                     seed=seed_of(loop_config["seed"], rank, epoch)):
+            yield batch_examples(store, answers, num_heads)
+
+    return batches, None
 
 
 def train_loop_per_worker(loop_config: dict) -> None:
+    import itertools
+
     import ray.train
     import ray.train.torch
     from tqdm import tqdm
 
+    from vllm_mtpspec_train.online import seed_of
+
     torch.manual_seed(loop_config["seed"])
     torch.set_num_threads(max(1, loop_config.get("threads_per_worker", 1)))
-    rank = ray.train.get_context().get_world_rank()
+    context = ray.train.get_context()
+    rank, world_size = context.get_world_rank(), context.get_world_size()
     module = _build_module(loop_config)
     model = ray.train.torch.prepare_model(module)
     raw = model.module if hasattr(model, "module") else model
@@ -118,52 +157,56 @@ def train_loop_per_worker(loop_config: dict) -> None:
     # fused: one kernel over all parameters; for untied heads (4 x |V| x d) the per-tensor
     # update took ~10x longer than the step's forward pass.
     optimizer = torch.optim.AdamW(params, lr=loop_config["lr"], weight_decay=loop_config["weight_decay"], fused=True)
-    step, start_epoch, restored = _restore(raw, optimizer)
+    step, start_epoch, done_in_epoch, restored = _restore(raw, optimizer)
     if restored and rank == 0:
         logger.warning("resumed from the checkpoint of step %d", step)
         with open(loop_config["metrics_path"], "a") as f:
             f.write(json.dumps({"event": "resumed", "step": step}) + "\n")
     total_steps = loop_config["total_steps"]
-    scheduler = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda s: min(1.0, (s + 1) / 50) * max(0.05, 1 - s / max(total_steps, 1)))
-    for _ in range(step):
-        scheduler.step()
-    shard = ray.train.get_dataset_shard("train")
+    if loop_config["data_source"] == "online":
+        device = ray.train.torch.get_device() if loop_config["use_gpu"] else torch.device("cpu")
+        epoch_batches, epochs = _online_epochs(loop_config, rank=rank, world_size=world_size, device=device,
+                                               num_heads=raw.heads.num_heads)
+    else:
+        epoch_batches, epochs = _shard_epochs(loop_config)
     bar = tqdm(total=total_steps, initial=step, desc="training heads", disable=rank != 0, mininterval=5)
-    generator = torch.Generator().manual_seed(loop_config["seed"] + 1000 * rank)
+    generator = torch.Generator()
     autocast_device = "cuda" if loop_config["use_gpu"] else "cpu"
-    seen = 0
-    for epoch in range(start_epoch, loop_config["epochs"]):
-        for batch in shard.iter_batches(batch_size=loop_config["batch_size"], batch_format="numpy", drop_last=True,
-                                        local_shuffle_buffer_size=20000, local_shuffle_seed=loop_config["seed"] + epoch):
-            seen += 1  # batches over all epochs: every epoch gives each worker the same count
-            if seen <= step:  # resuming: skip what the checkpoint already trained on
+    metrics = {"step": step, "epoch": start_epoch}
+    for epoch in itertools.count(start_epoch) if epochs is None else range(start_epoch, epochs):
+        # Resuming: the checkpoint's epoch again, past the batches it had trained on.
+        skip = done_in_epoch if epoch == start_epoch else 0
+        for done, batch in enumerate(epoch_batches(epoch), start=1):
+            if done <= skip:
                 continue
             if loop_config.get("fail_at_step") == step + 1:
                 _fail_once(loop_config, step + 1)
+            for group in optimizer.param_groups:
+                group["lr"] = loop_config["lr"] * lr_factor(step, warmup_steps=loop_config["warmup_steps"],
+                                                            total_steps=total_steps)
+            # Negatives drawn from the step's own seed: a resumed run draws what the first would have.
+            generator.manual_seed(seed_of(loop_config["seed"], rank, step))
             with torch.autocast(autocast_device, dtype=torch.bfloat16, enabled=loop_config["bf16_autocast"]):
                 loss, step_metrics = model(batch, generator)
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(params, 1.0)
             optimizer.step()
-            scheduler.step()
             step += 1
             bar.update(1)
             bar.set_postfix(loss=f"{step_metrics['loss']:.3f}")
-            metrics = {"step": step, "epoch": epoch, **step_metrics}
+            metrics = {"step": step, "epoch": epoch, "lr": optimizer.param_groups[0]["lr"], **step_metrics}
             if rank == 0 and (step % loop_config["log_every"] == 0 or step == 1):
                 with open(loop_config["metrics_path"], "a") as f:
                     f.write(json.dumps(metrics) + "\n")
-            done = step >= total_steps
-            if step % loop_config["checkpoint_every"] == 0 or done:
-                _report(metrics, model=raw, optimizer=optimizer, step=step, epoch=epoch, with_checkpoint=True)
-            if done:
+            finished = step >= total_steps
+            if step % loop_config["checkpoint_every"] == 0 or finished:
+                _report(metrics, model=raw, optimizer=optimizer, step=step, epoch=epoch, epoch_batches=done)
+            if finished:
                 bar.close()
                 return
-    bar.close()
-    _report({"step": step, "epoch": loop_config["epochs"]}, model=raw, optimizer=optimizer, step=step,
-            epoch=loop_config["epochs"], with_checkpoint=True)
+    bar.close()  # the data ran out before total_steps
+    _report(metrics, model=raw, optimizer=optimizer, step=step, epoch=loop_config["epochs"], epoch_batches=0)
 
 
 # --------------------------------------------------------------------------- driver side
@@ -178,6 +221,15 @@ def ensure_data(config: TrainConfig, model_dir: Path) -> tuple[list[Path], list[
     from vllm_mtpspec_train.answers import shards_from_answers
     from vllm_mtpspec_train.data import answers_dir_for, generate_self_distillation
 
+    context_rows = config.context_rows if config.head_kind == "attention" else 0
+    if config.data_source == "online":
+        # The workers read the training answers themselves; only the held-out shards, which
+        # export calibrates the temperatures on, are built here.
+        if not config.held_out_data:
+            return [], []
+        shards_from_answers(model_dir, answers_dir_for(config.held_out_data, config.held_out_answers),
+                            config.held_out_data, context_rows=context_rows, feature_layers=config.feature_layers)
+        return [], list_shards(config.held_out_data)
     shares = _shares_of_sources(config)
     splits = [(data, answers, False) for data, answers in config.train_sources]
     if config.held_out_data:
@@ -190,14 +242,14 @@ def ensure_data(config: TrainConfig, model_dir: Path) -> tuple[list[Path], list[
             if split:
                 generate_self_distillation(model_dir, split, data, answers_dir=answers_dir_for(data, answers),
                                            max_new_tokens=config.max_new_tokens,
-                                           context_rows=CONTEXT_ROWS if config.head_kind == "attention" else 0,
+                                           context_rows=context_rows,
                                            feature_layers=config.feature_layers)
     else:
         for (data, answers, held_out), share in zip(splits, shares + [None]):
             # A run that trains on N shards needs only their answers read.
             shards_from_answers(model_dir, answers_dir_for(data, answers), data,
                                 max_files=None if held_out else share,
-                                context_rows=CONTEXT_ROWS if config.head_kind == "attention" else 0,
+                                context_rows=context_rows,
                                 feature_layers=config.feature_layers)
     found = [list_shards(data) for data, _ in config.train_sources]
     held_shards = list_shards(config.held_out_data) if config.held_out_data else []
@@ -336,6 +388,46 @@ def initial_heads(config: TrainConfig, heads_base: Path):
     return heads
 
 
+def _shard_dataset(config: TrainConfig, train_shards: list[Path], held_shards: list[Path]):
+    """The Ray dataset the workers stream from shards, its item count, and what the summary says of it."""
+    import ray.data
+
+    offsets = [torch.load(p, weights_only=True, mmap=True)["offsets"] for p in train_shards]  # reads no states
+    num_rows = sum(int(o[-1]) for o in offsets)
+    if config.head_kind == "attention":
+        _require_context_rows(train_shards + held_shards, config)
+    if config.mode == "cotrain" or config.head_kind == "attention":
+        # Items are answers: the student, or the draft block, reads each in full.
+        # Absolute: Ray Train's workers do not run in the driver's working directory.
+        items = [{"path": str(p.absolute()), "answer": j} for p, o in zip(train_shards, offsets)
+                 for j in range(len(o) - 1)]
+        return ray.data.from_items(items), len(items), {"train_rows": num_rows}
+    # Items are answer rows with their recorded hidden states.
+    dataset = ray.data.from_items([{"path": str(p)} for p in train_shards]).map_batches(
+        _expand_shard, batch_size=1, fn_kwargs={"num_heads": config.num_heads})
+    return dataset, num_rows, {"train_rows": num_rows}
+
+
+def _online_answers(config: TrainConfig, model_dir: Path) -> dict:
+    """Checks the online path's answer folders before any worker starts (each worker reads
+    them again, its share only): they hold answers of this model, enough for every worker."""
+    from vllm_mtpspec.answers import AnswersError
+    from vllm_mtpspec.checkpoint import model_fingerprint
+    from vllm_mtpspec_train.online import read_answer_dirs
+
+    folders = config.train_answers if isinstance(config.train_answers, list) else [config.train_answers]
+    folders = [str(Path(folder).absolute()) for folder in folders]
+    vocab_size = json.loads((model_dir / "config.json").read_text())["vocab_size"]
+    try:
+        pairs = read_answer_dirs(folders, fingerprint=model_fingerprint(model_dir), vocab_size=vocab_size)
+    except (FileNotFoundError, AnswersError) as err:
+        raise TrainConfigError(f"train_answers: {err}") from None
+    if len(pairs) < config.num_workers:
+        raise TrainConfigError(f"train_answers hold {len(pairs)} answers, fewer than num_workers="
+                               f"{config.num_workers}: use fewer workers or more answers")
+    return {"answer_dirs": folders, "train_answers": len(pairs), "train_answer_tokens": sum(len(a) for _, a in pairs)}
+
+
 def run_training(config: TrainConfig) -> dict:
     """Trains, exports and evaluates; returns the run summary (also written as JSON)."""
     import ray
@@ -357,34 +449,28 @@ def run_training(config: TrainConfig) -> dict:
         save_heads(initial_heads(config, heads_base), init_dir)
     connect_ray(config)
     ray.data.DataContext.get_current().enable_progress_bars = False  # the training bar is the one to watch
-    offsets = [torch.load(p, weights_only=True, mmap=True)["offsets"] for p in train_shards]  # reads no states
-    num_rows = sum(int(o[-1]) for o in offsets)
-    if config.head_kind == "attention":
-        _require_context_rows(train_shards + held_shards, config)
-    if config.mode == "cotrain" or config.head_kind == "attention":
-        # Items are answers: the student, or the draft block, reads each in full.
-        # Absolute: Ray Train's workers do not run in the driver's working directory.
-        items = [{"path": str(p.absolute()), "answer": j} for p, o in zip(train_shards, offsets)
-                 for j in range(len(o) - 1)]
-        dataset = ray.data.from_items(items)
-        num_items = len(items)
-    else:  # items are answer rows with their recorded hidden states
-        dataset = ray.data.from_items([{"path": str(p)} for p in train_shards]).map_batches(
-            _expand_shard, batch_size=1, fn_kwargs={"num_heads": config.num_heads})
-        num_items = num_rows
-    steps_per_epoch = max(1, num_items // (config.batch_size * config.num_workers))
-    total_steps = min(config.max_steps or 10**12, steps_per_epoch * config.epochs)
     metrics_path = run_dir / METRICS_FILE
-    logger.info("%d training rows in %d shards; %d steps on %d worker(s)", num_rows, len(train_shards), total_steps, config.num_workers)
     loop_config = {
         **config.to_dict(),
         "model_dir": str(model_dir),
         "init_heads": str(init_dir),
-        "total_steps": total_steps,
         "metrics_path": str(metrics_path),
-        "log_every": 10,
         "threads_per_worker": max(1, (os.cpu_count() or 1) // config.num_workers),
     }
+    if config.data_source == "online":
+        datasets, total_steps, data_summary = {}, config.max_steps, _online_answers(config, model_dir)
+        # Absolute: Ray Train's workers do not run in the driver's working directory.
+        loop_config["train_answers"] = data_summary.pop("answer_dirs")
+        logger.info("%d training answers, recorded by the workers; %d steps on %d worker(s)",
+                    data_summary["train_answers"], total_steps, config.num_workers)
+    else:
+        dataset, num_items, data_summary = _shard_dataset(config, train_shards, held_shards)
+        datasets = {"train": dataset}
+        steps_per_epoch = max(1, num_items // (config.batch_size * config.num_workers))
+        total_steps = min(config.max_steps or 10**12, steps_per_epoch * config.epochs)
+        logger.info("%d training rows in %d shards; %d steps on %d worker(s)", data_summary["train_rows"],
+                    len(train_shards), total_steps, config.num_workers)
+    loop_config["total_steps"] = total_steps
     trainer = TorchTrainer(
         train_loop_per_worker,
         train_loop_config=loop_config,
@@ -395,7 +481,7 @@ def run_training(config: TrainConfig) -> dict:
             failure_config=FailureConfig(max_failures=config.max_failures),
             checkpoint_config=CheckpointConfig(num_to_keep=2),
         ),
-        datasets={"train": dataset},
+        datasets=datasets,
     )
     result = trainer.fit()
     if result.checkpoint is None:
@@ -408,7 +494,7 @@ def run_training(config: TrainConfig) -> dict:
 
     summary = export_heads(config, result.checkpoint, init_dir=init_dir, model_dir=heads_base, held_out=held_shards,
                            metrics_path=metrics_path, train_shards=train_shards)
-    summary["train_rows"] = num_rows
+    summary.update(data_summary)
     summary["steps"] = total_steps
     summary["seconds"] = round(time.time() - started, 1)
     (Path(config.out) / "train_summary.json").write_text(json.dumps(summary, indent=2) + "\n")

@@ -1,5 +1,5 @@
-"""The one-GPU trainer of the attention draft block (vllm_mtpspec_train/block_gpu.py) must train on
-exactly the examples the Ray job's BlockModule reads from shards: the same rows, targets,
+"""The training job's online data path (vllm_mtpspec_train/online.py) must train an attention draft
+block on exactly the examples the shard path's BlockModule reads: the same rows, targets,
 teacher distributions and unrolled chains. Run here on the CPU with a tiny random Llama."""
 from __future__ import annotations
 
@@ -34,8 +34,8 @@ def test_chains_of_chosen_rows_are_the_rows_of_the_full_unrolled_pass(feature_la
 def test_recorded_rows_and_batches_are_the_shards_examples(tiny_model):
     from vllm_mtpspec.shards import answer_sequence, unroll_sequences
     from vllm_mtpspec_train.answers import shard_from_answers
-    from vllm_mtpspec_train.block_gpu import batch_examples, record_rows, score, unrolled_states
     from vllm_mtpspec_train.examples import shard_examples
+    from vllm_mtpspec_train.online import batch_examples, record_rows, unrolled_states
 
     torch.manual_seed(2)
     pairs = [(torch.randint(0, 256, (n,)).tolist(), torch.randint(0, 256, (m,)).tolist())
@@ -65,23 +65,20 @@ def test_recorded_rows_and_batches_are_the_shards_examples(tiny_model):
     assert batch["teacher_ids"].tolist() == examples["teacher_ids"].tolist()
     torch.testing.assert_close(batch["teacher_logprobs"], torch.from_numpy(examples["teacher_logprobs"]))
     assert store.context == [4, 2, 4]                                   # capped by the prompt rows there are
-    scored = score(block.float(), store, embed=embed.float(), lm_head=embed.float(), batch_tokens=40)
-    assert scored["rows"] == sum(len(a) - 1 for _, a in pairs)           # every answer row with a next token
-    assert len(scored["conditional_top1"]) == 3
 
 
 def test_length_batches_keep_padded_rows_within_the_budget():
-    from vllm_mtpspec_train.block_gpu import _length_batches
+    from vllm_mtpspec_train.online import length_batches
 
     lengths = [5, 9, 3, 12, 7, 30]
-    batches = _length_batches(lengths, 24, sorted(range(6), key=lambda i: lengths[i]))
+    batches = length_batches(lengths, 24, sorted(range(6), key=lambda i: lengths[i]))
     assert sorted(i for batch in batches for i in batch) == list(range(6))
     for batch in batches:
         assert len(batch) == 1 or len(batch) * max(lengths[i] for i in batch) <= 24
 
 
 def test_heads_trained_elsewhere_are_calibrated_and_kept_in_their_dtype(tiny_model, tiny_model_dir, tmp_path):
-    """python -m vllm_mtpspec_train.export: temperatures fitted and rank accuracies measured on the
+    """python -m vllm_mtpspec_train.export (heads trained outside the Ray job): temperatures fitted and rank accuracies measured on the
     held-out shards, the weights written back as they came (fp16), the run's log drawn."""
     import json
 
@@ -119,7 +116,7 @@ def test_heads_trained_elsewhere_are_calibrated_and_kept_in_their_dtype(tiny_mod
 
 def test_conditional_hits_count_a_depth_only_while_the_chain_before_it_is_right():
     """The held-out scorers' shared count (vllm_mtpspec_train/evaluate.py), along one answer and from
-    per-row targets (what block_gpu.score gives it)."""
+    per-row targets."""
     from vllm_mtpspec_train.evaluate import chain_hits, conditional_hits
 
     tokens = torch.tensor([5, 6, 7, 8, 9])
@@ -133,3 +130,58 @@ def test_conditional_hits_count_a_depth_only_while_the_chain_before_it_is_right(
     targets = torch.tensor([[6, 7], [7, 8], [8, 9], [9, -1], [-1, -1]])
     hits, asked = chain_hits(top1, targets)
     assert hits.tolist() == [3, 1] and asked.tolist() == [4, 2]
+
+
+def test_epoch_batches_cover_every_answer_once_and_depend_on_the_seed_alone():
+    from types import SimpleNamespace
+
+    from vllm_mtpspec_train.online import epoch_batches, seed_of
+
+    store = SimpleNamespace(context=[3, 0, 5, 2, 7, 1], length=[9, 4, 20, 6, 3, 11], num_answers=6)
+    first = epoch_batches(store, batch_rows=30, seed=seed_of(0, 1, 2))
+    assert sorted(a for batch in first for a in batch) == list(range(6))
+    assert epoch_batches(store, batch_rows=30, seed=seed_of(0, 1, 2)) == first
+    assert len({str(epoch_batches(store, batch_rows=30, seed=seed_of(0, 1, e))) for e in range(8)}) > 1
+    assert seed_of(0, 1, 2) != seed_of(0, 2, 1)
+
+
+def test_the_learning_rate_warms_up_then_falls_with_the_step():
+    from vllm_mtpspec_train.train import lr_factor
+
+    factors = [lr_factor(s, warmup_steps=4, total_steps=20) for s in range(20)]
+    assert factors[:4] == pytest.approx([0.25 * 1.0, 0.5 * 0.95, 0.75 * 0.9, 1.0 * 0.85])
+    assert all(a >= b for a, b in zip(factors[3:], factors[4:]))
+    assert factors[-1] == pytest.approx(0.05)
+
+
+@pytest.mark.parametrize("fields, message", [
+    ({"head_kind": "attention", "data_source": "online", "train_answers": "a"},
+     r"data_source='online': the schedule is in steps.*set max_steps"),
+    ({"head_kind": "parallel", "data_source": "online", "train_answers": "a", "max_steps": 5},
+     r"data_source='online' with head_kind='parallel'.*set head_kind='attention' or data_source='shards'"),
+    ({"head_kind": "attention", "data_source": "online", "max_steps": 5}, r"data_source='online' reads answer files: set train_answers"),
+    ({"head_kind": "attention", "data_source": "online", "train_answers": "a", "max_steps": 5,
+      "int2_method": "gptq"}, r"data_source='online' with int2_method='gptq'.*use int2_method 'rtn'"),
+    ({"data_source": "memory"}, r"data_source='memory': choose one of \('shards', 'online'\)"),
+    ({"warmup_steps": 0}, r"warmup_steps=0: must be a whole number >= 1"),
+    ({"max_steps": "100"}, r"max_steps='100': must be a whole number >= 1"),
+])
+def test_a_bad_online_config_names_the_file_the_field_and_the_fix(tmp_path, fields, message):
+    import json
+
+    from vllm_mtpspec_train.config import TrainConfig, TrainConfigError
+
+    path = tmp_path / "block.json"
+    path.write_text(json.dumps(fields))
+    with pytest.raises(TrainConfigError, match=f"^{path}: {message}"):
+        TrainConfig.from_file(path)
+
+
+def test_online_answer_folders_without_answers_are_a_clear_error(tiny_model_dir, tmp_path):
+    from vllm_mtpspec_train.config import TrainConfig, TrainConfigError
+    from vllm_mtpspec_train.train import _online_answers
+
+    config = TrainConfig(model=str(tiny_model_dir), head_kind="attention", data_source="online", max_steps=5,
+                         train_answers=[str(tmp_path / "empty")])
+    with pytest.raises(TrainConfigError, match=r"train_answers: .*empty: no answer files.*restore_answers.sh"):
+        _online_answers(config, tiny_model_dir)
