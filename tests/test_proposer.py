@@ -415,3 +415,11 @@ def test_a_block_reading_target_layers_asks_the_model_for_them_or_is_refused_nam
     with pytest.raises(RuntimeError, match=r"target layers \[2, 15\] \(block.feature_layers in the heads' "
                                            r"config.json\), and object cannot return them"):
         GPUModelRunner._setup_eagle3_aux_hidden_state_outputs(runner(object(), [2, 15]))
+
+
+def test_a_context_store_asked_of_heads_that_keep_no_context_is_refused_at_start_up(make_proposer):
+    from vllm_mtpspec.config import ConfigError
+
+    with pytest.raises(ConfigError, match="context_store_mb=8 keeps a draft block's entries.*leave context_store_mb out"):
+        make_proposer(context_store_mb=8)
+    assert make_proposer()[0].block_contexts is None

@@ -526,9 +526,9 @@ def test_a_draft_blocks_caches_hold_every_accepted_position_and_nothing_else(mod
 
     contexts = set()  # the proposer's BlockContexts
 
-    def recording_cache(self, req_id, position):
+    def recording_cache(self, req_id, position, tokens):
         contexts.add(self)
-        cache = cache_for(self, req_id, position)
+        cache = cache_for(self, req_id, position, tokens)
         current[id(cache)] = req_id
         return cache
 
@@ -630,6 +630,9 @@ def test_a_draft_blocks_caches_hold_every_accepted_position_and_nothing_else(mod
         else:
             assert all(layers is None for *_, layers in entries)
     assert began_past_0 > 0 or not prefix_cached  # a prefix-cache hit did start a cache late
+    # ... and where the prompt was seen before, its cache began from the entries left then.
+    restored = sum(held.store.restored for held in contexts)
+    assert restored > 0 or not prefix_cached
 
 
 def held_requests(worker) -> list[str]:

@@ -285,6 +285,11 @@ class SpecOptions:
     # fp32 model's heads drafted 3-4x faster in bf16 (benchmarks/RESULTS.md); "int8" reads
     # a quarter of fp32's bytes, and is `auto`'s choice on CPUs without native bf16.
     draft_dtype: str = "auto"
+    # A draft block only: MiB of the entries of requests that left, kept for later requests
+    # that begin with the same tokens (vllm/context_store.py), so that a prompt served from
+    # vLLM's prefix cache (a chat's earlier turns) drafts from its whole context. They live
+    # beside the block, outside vLLM's KV-cache accounting. None: 64; 0: off.
+    context_store_mb: int | None = None
 
     def __post_init__(self) -> None:
         if self.tree not in TREE_PRESETS:
@@ -311,6 +316,11 @@ class SpecOptions:
                               "tree='chain', or draft_size='fixed' for trees")
         if self.draft_dtype not in DRAFT_DTYPES:
             raise ConfigError(f"draft_dtype={self.draft_dtype!r}: choose one of {DRAFT_DTYPES}")
+        if self.context_store_mb is not None and (isinstance(self.context_store_mb, bool) or
+                                                  not isinstance(self.context_store_mb, int) or
+                                                  self.context_store_mb < 0):
+            raise ConfigError(f"context_store_mb={self.context_store_mb!r}: give a whole number of MiB, "
+                              "or 0 to keep no entries")
         if not 0.0 <= self.min_path_prob < 1.0:
             raise ConfigError(f"min_path_prob={self.min_path_prob}: must lie in [0, 1)")
         if self.prompt_lookup_max < 0 or self.prompt_lookup_max and not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:

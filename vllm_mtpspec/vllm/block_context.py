@@ -23,9 +23,12 @@ the one the accepted chain would have).
 The cache must end where this step's tokens begin. Where it does not, vLLM computed some
 positions without us seeing them or computes them again:
 - it ends later (preemption recomputes a request, or a resumed request): cut it back;
-- it ends earlier (a prefix-cache hit skipped the shared prefix): start again at this
-  step's first position, so the block drafts from the context it did see. Output stays
-  exactly the target's either way; only acceptance can fall.
+- it ends earlier (a prefix-cache hit skipped the shared prefix): take the entries an
+  earlier request with the same tokens left (context_store.py), or else start again at
+  this step's first position, so the block drafts from the context it did see. Output
+  stays exactly the target's either way; only acceptance can fall.
+A request that leaves the batch (finished, aborted or preempted) leaves its entries to that
+store.
 """
 from __future__ import annotations
 
@@ -34,6 +37,7 @@ from dataclasses import dataclass, field
 import torch
 
 from vllm_mtpspec.draft_block import BlockCache, DraftBlock
+from vllm_mtpspec.vllm.context_store import ContextStore
 
 
 @dataclass
@@ -81,20 +85,34 @@ class BlockContexts:
     # per request in fp32.
     max_pending_rows = 64
 
-    def __init__(self, block: DraftBlock, embed) -> None:
+    def __init__(self, block: DraftBlock, embed, store: ContextStore | None = None) -> None:
         self.block = block
         self._embed = embed
+        self.store = store
         self.caches: dict[str, BlockCache] = {}
         self.pending: dict[str, PendingRows] = {}
         self.newest: dict[str, torch.Tensor] = {}  # the block's output at a cache's last entry
+        # A request's tokens at positions 0 .. (its cache's end + its pending rows): what the
+        # store keys its entries by when it leaves.
+        self.tokens: dict[str, list[int]] = {}
 
     def forget(self, req_id: str) -> None:
         self.caches.pop(req_id, None)
         self.pending.pop(req_id, None)
         self.newest.pop(req_id, None)
+        self.tokens.pop(req_id, None)
+
+    @torch.inference_mode()  # as vLLM's step runs: the caches are inference tensors
+    def leave(self, req_id: str) -> None:
+        """The request left the batch (finished, aborted or preempted): its entries go to
+        the store, its rows still held back run first, and nothing else of it is kept."""
+        if self.store is not None and req_id in self.caches:
+            self._run_pending([req_id])
+            self.store.put(self.tokens[req_id], self.caches[req_id])
+        self.forget(req_id)
 
     def held_requests(self) -> set[str]:
-        return set(self.caches) | set(self.pending) | set(self.newest)
+        return set(self.caches) | set(self.pending) | set(self.newest) | set(self.tokens)
 
     @torch.no_grad()
     def update(self, req_ids: list[str], rows: ScheduledRows, num_tokens_no_spec, token_ids_cpu,
@@ -106,7 +124,7 @@ class BlockContexts:
         states are the accepted positions', computed at those positions (tree_step.py)."""
         live = set(req_ids)
         for req_id in [r for r in self.held_requests() if r not in live]:
-            self.forget(req_id)
+            self.leave(req_id)
         reads_layers = bool(self.block.feature_layers)
         if reads_layers and (not rows.layer_states or len(rows.layer_states) != len(self.block.feature_layers)):
             raise RuntimeError(f"the draft block reads the states entering target layers "
@@ -115,9 +133,10 @@ class BlockContexts:
         due, offset = [], 0
         for i, req_id in enumerate(req_ids):
             n, start = int(rows.num_scheduled[i]), int(rows.num_computed[i])
-            self._cache_ending_at(req_id, start)
+            self._cache_ending_at(req_id, start, token_ids_cpu[i])
             known = min(n, int(num_tokens_no_spec[i]) - 1 - start)
             if known > 0:
+                self.tokens[req_id] += token_ids_cpu[i, start + 1:start + 1 + known].tolist()
                 # Copies of the request's own rows: a view would keep the step's whole buffer.
                 taken = self._accepted_rows(offset, known, (tree_paths or {}).get(i), rows.hidden_states.device)
                 pending = self.pending.setdefault(req_id, PendingRows())
@@ -160,17 +179,22 @@ class BlockContexts:
             self.block.trim(cache)
             self.newest[req_id] = out[-1]
 
-    def _cache_ending_at(self, req_id: str, position: int) -> BlockCache:
-        """The request's cache, with its pending rows ending where this step's rows begin."""
+    def _cache_ending_at(self, req_id: str, position: int, tokens) -> BlockCache:
+        """The request's cache, with its pending rows ending where this step's rows begin.
+        tokens: the request's, from position 0 through at least `position`."""
         cache = self.caches.get(req_id)
         pending = self.pending.get(req_id)
         end = None if cache is None else cache.length + (pending.rows if pending is not None else 0)
         if cache is None or end < position or position < cache.start:
             self.forget(req_id)
-            cache = self.block.empty_cache()
-            cache.start = position
+            cache = self.store.take(tokens, position) if self.store is not None else None
+            if cache is None:
+                cache = self.block.empty_cache()
+                cache.start = position
             self.caches[req_id] = cache
+            self.tokens[req_id] = [int(t) for t in tokens[:position + 1]]
         elif end > position:
+            del self.tokens[req_id][position + 1:]
             if position > cache.length:
                 self.pending[req_id] = pending.first(position - cache.length)
             else:

@@ -45,6 +45,7 @@ from vllm_mtpspec.quant.int8_dynamic import Int8Linear, int8_linears
 from vllm_mtpspec.tree import TreeShape, chain_tree
 from vllm_mtpspec.tree_builder import DraftTreeBuilder
 from vllm_mtpspec.vllm.block_context import BlockContexts, ScheduledRows
+from vllm_mtpspec.vllm.context_store import DEFAULT_CONTEXT_STORE_MB, ContextStore
 from vllm_mtpspec.vllm.fallback import log_fallback_once
 from vllm_mtpspec.vllm.logs import logger
 from vllm_mtpspec.vllm.options import check_against_model, options_from_additional_config
@@ -147,10 +148,11 @@ class MTPSpecProposer:
         return self.heads_config.feature_layers
 
     def forget(self, req_id: str) -> None:
-        """A request finished or was aborted: nothing of it is kept."""
+        """A request finished or was aborted: nothing of it is kept (but a draft block's
+        entries, which the context store keeps for later requests with the same prefix)."""
         self.proposed_trees.pop(req_id, None)
         if self.block_contexts is not None:
-            self.block_contexts.forget(req_id)
+            self.block_contexts.leave(req_id)
         if self.planner is not None:
             self.planner.forget(req_id)
 
@@ -182,7 +184,14 @@ class MTPSpecProposer:
         self._lm_head = lambda states: compute_logits(states.to(model_dtype))
         self._embed = getattr(target_model, "embed_input_ids", None) or target_model.get_input_embeddings
         if self.heads.config.head_kind == "attention":
-            self.block_contexts = BlockContexts(self.heads, self._embed)
+            store_mb = self.options.context_store_mb
+            store_mb = DEFAULT_CONTEXT_STORE_MB if store_mb is None else store_mb
+            self.block_contexts = BlockContexts(self.heads, self._embed,
+                                                ContextStore(store_mb << 20) if store_mb else None)
+        elif self.options.context_store_mb is not None:
+            raise ConfigError(f"context_store_mb={self.options.context_store_mb} keeps a draft block's entries, and "
+                              f"the heads in {self.options.heads} are {self.heads.config.head_kind!r} heads, which "
+                              "keep none: leave context_store_mb out")
         self._draft_ids = None
         if self.heads.draft_vocab is not None:
             self._draft_ids = self.heads.draft_vocab.to(self.device)
