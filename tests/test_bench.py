@@ -184,6 +184,28 @@ def test_a_second_engine_without_speculation_measures_the_noise(tmp_path):
     assert [(m.name, m.speculative_config) for m in methods] == [("none", None), ("none (again)", None)]
 
 
+def test_options_reach_every_mtpspec_row_last_and_name_themselves(tmp_path):
+    from vllm_mtpspec.bench.command import _options
+
+    options = _options('{"min_path_prob": 0, "prompt_lookup_max": 3}')
+    methods = build_methods(["ngram", "mtpspec-chain"], model_dir="m", heads_dirs=["h"], num_heads=[3], quants=["fp"],
+                            tree="consensus", work_dir=tmp_path, lookups=[False], options=options)
+    ngram, chain = methods
+    assert "min_path_prob" not in ngram.speculative_config
+    assert chain.speculative_config["min_path_prob"] == 0
+    assert chain.speculative_config["prompt_lookup_max"] == 3   # over --prompt-lookup off: given last
+    assert chain.name == "mtpspec-chain k=3 min_path_prob=0 prompt_lookup_max=3"
+
+
+@pytest.mark.parametrize("text, named", [('{"min_path_prb": 0}', "min_path_prb"), ('{"min_path_prob": 2}', "must lie"),
+                                         ("[1]", "not a JSON object"), ("{", "Expecting")])
+def test_bad_options_stop_the_bench_before_any_engine_starts(text, named):
+    from vllm_mtpspec.bench.command import _options
+
+    with pytest.raises(SystemExit, match=named):
+        _options(text)
+
+
 def test_an_unknown_draft_size_is_named(capsys):
     from vllm_mtpspec.bench.command import _choices
 

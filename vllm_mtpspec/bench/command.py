@@ -72,6 +72,9 @@ def add_parser(sub) -> None:
                         "heads draft in (auto: bf16 for an fp32 model on a CPU with native bf16, int8 on other CPUs, "
                         "else the model's; int8: the heads' matrices in INT8 through fbgemm, CPU only); one row "
                         "each")
+    p.add_argument("--options", default=None,
+                   help='JSON of mtpspec options for every mtpspec row, applied last and named in its label, '
+                        'e.g. \'{"min_path_prob": 0}\' (the options are listed in docs/options.md)')
     p.add_argument("--batch-sizes", default="1,4,16,64")
     p.add_argument("--temperatures", default="0,0.7", help="0 is greedy")
     p.add_argument("--max-new-tokens", type=int, default=64)
@@ -92,6 +95,24 @@ def _choices(text: str, allowed: tuple[str, ...], flag: str) -> list[str]:
     if unknown or not chosen:
         raise SystemExit(f"{flag}: {text!r}: choose from {', '.join(allowed)} (comma-separated)")
     return chosen
+
+
+def _options(text: str | None) -> dict | None:
+    """--options, checked here as the engine would check it, so that a typo stops the run
+    before any engine starts."""
+    from vllm_mtpspec.config import ConfigError, SpecOptions
+
+    if text is None:
+        return None
+    try:
+        options = json.loads(text)
+        if not isinstance(options, dict):
+            raise ValueError("not a JSON object")
+        SpecOptions.from_dict({"heads": "", **options}, source="--options")
+    except (ValueError, ConfigError) as err:
+        raise SystemExit(f"--options: {text!r}: {err}. Give a JSON object of mtpspec options, "
+                         "e.g. '{\"min_path_prob\": 0}'") from None
+    return options
 
 
 def _backoff_starts(text: str) -> list[int | None]:
@@ -132,7 +153,7 @@ def run(args) -> int:
                             draft_sizes=_choices(args.draft_size, DRAFT_SIZES, "--draft-size"),
                             draft_dtypes=_choices(args.draft_dtype, DRAFT_DTYPES, "--draft-dtype"),
                             pacings=_choices(args.pace_cohorts, ("default",) + PACE_COHORTS, "--pace-cohorts"),
-                            backoff_starts=_backoff_starts(args.backoff_start))
+                            backoff_starts=_backoff_starts(args.backoff_start), options=_options(args.options))
     engine = engine_settings(max(batch_sizes), args.max_prompt_tokens, args.max_new_tokens,
                              _kv_bytes_per_token(model, args.dtype), dtype=args.dtype)
     print(f"{len(prompts)} prompts ({', '.join(sorted({p.category for p in prompts}))}), methods: "

@@ -45,7 +45,9 @@ def build_methods(names: list[str], *, model_dir: str, heads_dirs: list[str], nu
                   draft_layers: int = 6, lookups: list[bool] = (True,),
                   draft_sizes: list[str] = ("default",), draft_dtypes: list[str] = ("auto",),
                   pacings: list[str] = ("default",),
-                  backoff_starts: list[int | None] = (None,)) -> list[Method]:
+                  backoff_starts: list[int | None] = (None,), options: dict | None = None) -> list[Method]:
+    """options: mtpspec options (SpecOptions) for every mtpspec row, applied last: they
+    take effect over what the other arguments set, and each is named in the row's label."""
     unknown = [n for n in names if n not in KNOWN_METHODS]
     if unknown:
         raise ValueError(f"--methods: unknown {unknown}; choose from {', '.join(KNOWN_METHODS)}")
@@ -120,6 +122,9 @@ def build_methods(names: list[str], *, model_dir: str, heads_dirs: list[str], nu
                         if start is not None:
                             config["batch_backoff_start"] = start
                             label += f" from-batch-{start}"
+                        for key, value in (options or {}).items():
+                            config[key] = value
+                            label += f" {key}={value}"
                         methods.append(Method(label + heads_tag + (" int2" if int2 else ""), name, config,
                                               unavailable=unavailable))
     return methods
