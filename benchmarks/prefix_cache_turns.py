@@ -143,9 +143,10 @@ def main(argv: list[str] | None = None) -> int:
     print(table)
     if args.markdown:
         Path(args.markdown).write_text(table)
-    if args.json:
+    if args.json:  # the answers themselves stay out: only whether each engine repeated vLLM alone's
+        kept = {name: {k: v for k, v in result.items() if k != "answers"} for name, result in results.items()}
         Path(args.json).write_text(json.dumps({"stamp": run_stamp, "questions": [q["question_id"] for q in questions],
-                                               "results": results}, indent=1) + "\n")
+                                               "results": kept}, indent=1) + "\n")
     return 0 if all(r["identical_to_vllm_alone"] for r in results.values()) else 1
 
 
