@@ -123,3 +123,26 @@ def test_the_real_dataframebench_train_split(tmp_path, monkeypatch):
     assert not any("{library_" in p.text for p in prompts) and len({p.id for p in prompts}) == 709
     assert not any("HumanEval" in p.id for p in prompts)
     assert prompts == dataframebench_prompts(tmp_path / "wheels" / WHEEL)
+
+
+def test_package_prompts_read_no_held_out_source_and_come_in_one_order(monkeypatch):
+    """Project descriptions and documented functions of installed packages, never a held-out
+    source's package, the standard library (stdlib-code's) or this project's own README."""
+    import sys
+
+    from vllm_mtpspec.held_out_sources import SOURCES
+    from vllm_mtpspec_train import package_prompts as source
+
+    assert not {m.split(".")[0] for m in source.FUNCTION_PACKAGES} & set(sys.stdlib_module_names)
+    monkeypatch.setattr(source, "FUNCTION_PACKAGES", ("jinja2", "not_a_package_here"))
+    monkeypatch.setattr(source, "FUNCTIONS_PER_PACKAGE", 12)
+    prompts = load_prompt_source("package-docs")
+    readmes = [p for p in prompts if p.id.startswith("package-readme:")]
+    functions = [p for p in prompts if p.id.startswith("package-function:")]
+    assert len(functions) == 12 and all(p.id.startswith("package-function:jinja2.") for p in functions)
+    assert all("def " in p.text or "Write a Python function" in p.text for p in functions)
+    held_out = {s.package.split("==")[0].lower() for s in SOURCES.values()}
+    named = {p.id.removeprefix("package-readme:").split("==")[0] for p in readmes}
+    assert readmes and not named & (held_out | {"vllm-mtpspec"})
+    assert [p.id for p in source.package_prompts()] == [p.id for p in prompts]   # the same order again
+    assert len({p.id for p in prompts}) == len(prompts)
