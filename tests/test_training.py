@@ -275,6 +275,47 @@ def test_online_block_two_workers_repeats_step_for_step_and_resumes_from_a_kille
     assert len(summary["held_out"]["fp32"]["conditional_top1"]) == 2  # scored on the held-out shards built for it
 
 
+def test_a_local_run_needs_no_ray_and_resumes_from_its_checkpoint_after_a_kill(tiny_smol_teacher, tiny_data,
+                                                                               tmp_path):
+    """runner 'local': the same loop in one process, with Ray made unimportable. Killed at
+    step 5 and started again, it resumes from its step-3 checkpoint and takes the steps an
+    uninterrupted local run took, loss for loss."""
+    import subprocess
+    import sys
+
+    from vllm_mtpspec.checkpoint import load_heads
+
+    common = dict(model=str(tiny_smol_teacher), head_kind="attention", data_source="online", num_heads=2,
+                  train_answers=str(tiny_data / "train" / "answers"), held_out_data=str(tmp_path / "held"),
+                  held_out_answers=str(tiny_data / "held" / "answers"), context_rows=16, batch_rows=128,
+                  max_steps=7, warmup_steps=2, lr=3e-3, num_negatives=256, runner="local", checkpoint_every=3,
+                  log_every=1, storage_path=str(tmp_path / "runs"), int2_group_size=None)
+
+    def run(name: str, **fields) -> int:
+        config = tmp_path / f"{name}.json"
+        config.write_text(json.dumps({**common, "name": name, "out": str(tmp_path / f"{name}-heads"), **fields}))
+        no_ray = ("import sys; sys.modules['ray'] = None; from vllm_mtpspec_train.train import main; "
+                  f"sys.exit(main(['--config', {str(config)!r}]))")
+        return subprocess.run([sys.executable, "-c", no_ray], capture_output=True, text=True).returncode
+
+    assert run("whole") == 0
+    assert run("killed", fail_at_step=5) == 1
+    assert run("killed") == 0
+    first = {r["step"]: r["loss"] for r in metrics(tmp_path / "runs" / "whole") if "loss" in r}
+    rows = metrics(tmp_path / "runs" / "killed")
+    assert [r["step"] for r in rows if r.get("event") == "resumed"] == [3]
+    again = [(r["step"], r["loss"]) for r in rows if "loss" in r]
+    assert [step for step, _ in again] == [1, 2, 3, 4, 4, 5, 6, 7]  # died before step 5, back from 3
+    assert sorted(first) == list(range(1, 8)) and all(loss == first[step] for step, loss in again), (first, again)
+    assert len(list((tmp_path / "runs" / "killed" / "local-checkpoints").glob("checkpoint_*"))) == 2
+    init = load_heads(tmp_path / "runs" / "whole" / "init-heads")
+    assert not torch.equal(load_heads(tmp_path / "whole-heads").q_proj.weight, init.q_proj.weight)
+    with pytest.raises(TrainConfigError, match="runner='local'.*num_workers=2.*give num_workers 1"):
+        TrainConfig(**{**common, "num_workers": 2})
+    with pytest.raises(TrainConfigError, match="runner='local'.*data_source='shards'.*Ray Data"):
+        TrainConfig(**{**common, "data_source": "shards"})
+
+
 def test_clear_errors(tiny_smol_teacher, tmp_path):
     not_jsonl = tmp_path / "prompts.jsonl"
     not_jsonl.write_text("just some text\nthat is not json\n")

@@ -12,6 +12,7 @@ from vllm_mtpspec.shards import CONTEXT_ROWS
 
 MODES = ("posthoc", "cotrain")
 DATA_SOURCES = ("shards", "online")
+RUNNERS = ("ray", "local")
 
 
 class TrainConfigError(ValueError):
@@ -73,6 +74,9 @@ class TrainConfig:
     num_workers: int = 1
     use_gpu: bool = False
     address: str | None = None                 # a Ray cluster ("auto", "ray://host:10001"); None = local
+    # "ray": Ray Train workers. "local": the same loop in this process, no Ray (one worker,
+    # data_source 'online'), for a machine with torch and no Ray (vllm_mtpspec_train/workers.py).
+    runner: str = "ray"
     storage_path: str = "runs/ray"
     name: str = "mtpspec-heads"
     checkpoint_every: int = 200                # steps
@@ -149,6 +153,21 @@ class TrainConfig:
         if self.max_steps is not None and (not isinstance(self.max_steps, int) or self.max_steps < 1):
             raise TrainConfigError(f"max_steps={self.max_steps!r}: must be a whole number >= 1 (or null: the epochs)")
         self._check_online()
+        self._check_runner()
+
+    def _check_runner(self) -> None:
+        if self.runner not in RUNNERS:
+            raise TrainConfigError(f"runner={self.runner!r}: choose one of {RUNNERS}")
+        if self.runner != "local":
+            return
+        refusals = [(self.num_workers != 1, f"num_workers={self.num_workers}", "num_workers 1"),
+                    (self.address is not None, f"address={self.address!r}", "no address"),
+                    (self.data_source != "online", f"data_source={self.data_source!r}",
+                     "data_source 'online' (training shards stream through Ray Data)")]
+        for refused, asked, fix in refusals:
+            if refused:
+                raise TrainConfigError(f"runner='local' runs one worker in this process without Ray, and {asked} "
+                                       f"was asked: give {fix}, or runner 'ray'")
 
     def _check_online(self) -> None:
         if self.data_source not in DATA_SOURCES:

@@ -44,11 +44,9 @@ def lr_factor(step: int, *, warmup_steps: int, total_steps: int) -> float:
     return min(1.0, (step + 1) / warmup_steps) * max(0.05, 1 - step / max(total_steps, 1))
 
 
-def _restore(model, optimizer):
+def _restore(model, optimizer, worker):
     """(step, epoch, batches of that epoch done, restored?) from the last checkpoint."""
-    import ray.train
-
-    checkpoint = ray.train.get_checkpoint()
+    checkpoint = worker.latest_checkpoint()
     if checkpoint is None:
         return 0, 0, 0, False
     with checkpoint.as_directory() as folder:
@@ -58,22 +56,20 @@ def _restore(model, optimizer):
     return state["step"], state["epoch"], state.get("epoch_batches", 0), True
 
 
-def _report(metrics: dict, *, model, optimizer, step: int, epoch: int, epoch_batches: int) -> None:
-    import ray.train
-
+def _report(metrics: dict, *, worker, model, optimizer, step: int, epoch: int, epoch_batches: int) -> None:
     with tempfile.TemporaryDirectory() as folder:
-        checkpoint = None
-        if ray.train.get_context().get_world_rank() == 0:
+        written = None
+        if worker.rank == 0:
             torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(), "step": step, "epoch": epoch,
                         "epoch_batches": epoch_batches}, Path(folder) / "state.pt")
-            checkpoint = ray.train.Checkpoint.from_directory(folder)
-        ray.train.report(metrics, checkpoint=checkpoint)
+            written = Path(folder)
+        worker.report(metrics, written)
 
 
 def _fail_once(loop_config: dict, step: int) -> None:
     """fail_at_step: the first time this step is reached in a run, the worker dies, as a
     crashed or preempted machine would; Ray Train restarts the group from the last
-    checkpoint. It waits a little first: Ray's controller collects reported checkpoints
+    checkpoint (a local run resumes from it when started again). It waits a little first: Ray's controller collects reported checkpoints
     by polling, and a worker that dies right after reporting can take its last one along."""
     marker = Path(loop_config["metrics_path"]).with_name(f"failed-at-step-{step}")
     if marker.exists():
@@ -105,11 +101,9 @@ def _build_module(loop_config: dict):
                 kl_weight=loop_config["kl_weight"], depth_decay=loop_config["depth_loss_decay"])
 
 
-def _shard_epochs(loop_config: dict):
+def _shard_epochs(loop_config: dict, worker):
     """epoch -> its batches, from this worker's shard of the Ray dataset (streamed)."""
-    import ray.train
-
-    shard = ray.train.get_dataset_shard("train")
+    shard = worker.dataset_shard("train")
 
     def batches(epoch: int):
         return shard.iter_batches(batch_size=loop_config["batch_size"], batch_format="numpy", drop_last=True,
@@ -137,38 +131,38 @@ def _online_epochs(loop_config: dict, *, rank: int, world_size: int, device: tor
     return batches, None
 
 
-def train_loop_per_worker(loop_config: dict) -> None:
+def train_loop_per_worker(loop_config: dict, worker=None) -> None:
+    """One worker's training: a Ray Train worker's (worker None), or a local run's
+    (workers.LocalWorker)."""
     import itertools
 
-    import ray.train
-    import ray.train.torch
     from tqdm import tqdm
 
     from vllm_mtpspec_train.online import seed_of
+    from vllm_mtpspec_train.workers import RayWorker
 
+    worker = worker or RayWorker(loop_config["use_gpu"])
     torch.manual_seed(loop_config["seed"])
     torch.set_num_threads(max(1, loop_config.get("threads_per_worker", 1)))
-    context = ray.train.get_context()
-    rank, world_size = context.get_world_rank(), context.get_world_size()
+    rank, world_size = worker.rank, worker.world_size
     module = _build_module(loop_config)
-    model = ray.train.torch.prepare_model(module)
+    model = worker.prepare_model(module)
     raw = model.module if hasattr(model, "module") else model
     params = raw.trainable_parameters()
     # fused: one kernel over all parameters; for untied heads (4 x |V| x d) the per-tensor
     # update took ~10x longer than the step's forward pass.
     optimizer = torch.optim.AdamW(params, lr=loop_config["lr"], weight_decay=loop_config["weight_decay"], fused=True)
-    step, start_epoch, done_in_epoch, restored = _restore(raw, optimizer)
+    step, start_epoch, done_in_epoch, restored = _restore(raw, optimizer, worker)
     if restored and rank == 0:
         logger.warning("resumed from the checkpoint of step %d", step)
         with open(loop_config["metrics_path"], "a") as f:
             f.write(json.dumps({"event": "resumed", "step": step}) + "\n")
     total_steps = loop_config["total_steps"]
     if loop_config["data_source"] == "online":
-        device = ray.train.torch.get_device() if loop_config["use_gpu"] else torch.device("cpu")
-        epoch_batches, epochs = _online_epochs(loop_config, rank=rank, world_size=world_size, device=device,
+        epoch_batches, epochs = _online_epochs(loop_config, rank=rank, world_size=world_size, device=worker.device,
                                                num_heads=raw.heads.num_heads)
     else:
-        epoch_batches, epochs = _shard_epochs(loop_config)
+        epoch_batches, epochs = _shard_epochs(loop_config, worker)
     bar = tqdm(total=total_steps, initial=step, desc="training heads", disable=rank != 0, mininterval=5)
     generator = torch.Generator()
     autocast_device = "cuda" if loop_config["use_gpu"] else "cpu"
@@ -201,12 +195,14 @@ def train_loop_per_worker(loop_config: dict) -> None:
                     f.write(json.dumps(metrics) + "\n")
             finished = step >= total_steps
             if step % loop_config["checkpoint_every"] == 0 or finished:
-                _report(metrics, model=raw, optimizer=optimizer, step=step, epoch=epoch, epoch_batches=done)
+                _report(metrics, worker=worker, model=raw, optimizer=optimizer, step=step, epoch=epoch,
+                        epoch_batches=done)
             if finished:
                 bar.close()
                 return
     bar.close()  # the data ran out before total_steps
-    _report(metrics, model=raw, optimizer=optimizer, step=step, epoch=loop_config["epochs"], epoch_batches=0)
+    _report(metrics, worker=worker, model=raw, optimizer=optimizer, step=step, epoch=loop_config["epochs"],
+            epoch_batches=0)
 
 
 # --------------------------------------------------------------------------- driver side
@@ -430,11 +426,6 @@ def _online_answers(config: TrainConfig, model_dir: Path) -> dict:
 
 def run_training(config: TrainConfig) -> dict:
     """Trains, exports and evaluates; returns the run summary (also written as JSON)."""
-    import ray
-    import ray.data
-    from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
-    from ray.train.torch import TorchTrainer
-
     from vllm_mtpspec.checkpoint import save_heads
 
     started = time.time()
@@ -447,8 +438,6 @@ def run_training(config: TrainConfig) -> dict:
     heads_base = Path(config.student) if config.mode == "cotrain" else model_dir
     if not (init_dir / "config.json").is_file():
         save_heads(initial_heads(config, heads_base), init_dir)
-    connect_ray(config)
-    ray.data.DataContext.get_current().enable_progress_bars = False  # the training bar is the one to watch
     metrics_path = run_dir / METRICS_FILE
     loop_config = {
         **config.to_dict(),
@@ -471,6 +460,34 @@ def run_training(config: TrainConfig) -> dict:
         logger.info("%d training rows in %d shards; %d steps on %d worker(s)", data_summary["train_rows"],
                     len(train_shards), total_steps, config.num_workers)
     loop_config["total_steps"] = total_steps
+    if config.runner == "local":
+        from vllm_mtpspec_train.workers import LocalWorker
+
+        worker = LocalWorker(run_dir / "local-checkpoints", use_gpu=config.use_gpu)
+        train_loop_per_worker(loop_config, worker)
+        checkpoint = worker.latest_checkpoint()
+    else:
+        checkpoint = _fit_with_ray(config, loop_config, datasets)
+    from vllm_mtpspec_train.export import export_heads
+
+    summary = export_heads(config, checkpoint, init_dir=init_dir, model_dir=heads_base, held_out=held_shards,
+                           metrics_path=metrics_path, train_shards=train_shards)
+    summary.update(data_summary)
+    summary["steps"] = total_steps
+    summary["seconds"] = round(time.time() - started, 1)
+    (Path(config.out) / "train_summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    return summary
+
+
+def _fit_with_ray(config: TrainConfig, loop_config: dict, datasets: dict):
+    """The workers' loop under Ray Train's TorchTrainer: its last checkpoint."""
+    import ray
+    import ray.data
+    from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
+    from ray.train.torch import TorchTrainer
+
+    connect_ray(config)
+    ray.data.DataContext.get_current().enable_progress_bars = False  # the training bar is the one to watch
     trainer = TorchTrainer(
         train_loop_per_worker,
         train_loop_config=loop_config,
@@ -490,15 +507,7 @@ def run_training(config: TrainConfig) -> dict:
         # Export runs here in the driver; a local Ray left up keeps polling the finished
         # trainer and fills the log while it does.
         ray.shutdown()
-    from vllm_mtpspec_train.export import export_heads
-
-    summary = export_heads(config, result.checkpoint, init_dir=init_dir, model_dir=heads_base, held_out=held_shards,
-                           metrics_path=metrics_path, train_shards=train_shards)
-    summary.update(data_summary)
-    summary["steps"] = total_steps
-    summary["seconds"] = round(time.time() - started, 1)
-    (Path(config.out) / "train_summary.json").write_text(json.dumps(summary, indent=2) + "\n")
-    return summary
+    return result.checkpoint
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -512,6 +521,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--num-workers", type=int, help="Ray Train workers (data parallel)")
     parser.add_argument("--use-gpu", action="store_true", default=None, help="one GPU per worker")
     parser.add_argument("--address", help="Ray cluster address ('auto', 'ray://HOST:10001'); default: local Ray")
+    parser.add_argument("--runner", choices=("ray", "local"),
+                        help="'ray' (default): Ray Train workers; 'local': the same loop in this process without Ray, "
+                             "one worker, answer files only (for a machine with torch and no Ray)")
     parser.add_argument("--out", help="heads directory to write")
     parser.add_argument("--max-steps", type=int, help="stop after this many steps")
     return parser
@@ -522,7 +534,8 @@ def main(argv: list[str] | None = None) -> int:
     # force: under `mtpspec train` the command line has configured logging (WARNING) already.
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", force=True)
     overrides = {k: v for k, v in {"num_workers": args.num_workers, "use_gpu": args.use_gpu, "address": args.address,
-                                   "out": args.out, "max_steps": args.max_steps}.items() if v is not None}
+                                   "out": args.out, "max_steps": args.max_steps, "runner": args.runner}.items()
+                 if v is not None}
     try:
         config = TrainConfig.from_file(args.config, **overrides)
         summary = run_training(config)
