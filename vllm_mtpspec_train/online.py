@@ -2,13 +2,13 @@
 trained straight from the answer files, with no shards on disk.
 
 Shards cost 1-5 KB a row; for a draft block's answers with their prompt rows and three layers'
-states they run to hours of CPU time and tens of GB. Instead each Ray Train worker reads its
-share of the answers, and one batched teacher-forced pass of the frozen target records each kept
-row's final state (and the states entering block.feature_layers), the token it produced and, at
-answer rows, the target's top-k, in the worker's memory (a GPU's, with --use-gpu). The block then
-trains on whole answers read with up to `context_rows` prompt rows before each, every depth
-unrolled as drafting runs it (DraftBlock.unrolled): the same examples and losses as the shard
-path's BlockModule (tests/test_online_data.py checks that).
+states they run to hours of CPU time and tens of GB. Instead each worker (Ray Train's, or a
+local run's) reads its share of the answers, and one batched teacher-forced pass of the frozen
+target records each kept row's final state (and the states entering block.feature_layers), the
+token it produced and, at answer rows, the target's top-k, in the worker's memory (a GPU's, with
+--use-gpu). The block then trains on whole answers read with up to `context_rows` prompt rows
+before each, every depth unrolled as drafting runs it (DraftBlock.unrolled): the same examples
+and losses as the shard path's BlockModule (tests/test_online_data.py checks that).
 """
 from __future__ import annotations
 
