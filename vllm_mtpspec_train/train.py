@@ -438,6 +438,13 @@ def run_training(config: TrainConfig) -> dict:
     heads_base = Path(config.student) if config.mode == "cotrain" else model_dir
     if not (init_dir / "config.json").is_file():
         save_heads(initial_heads(config, heads_base), init_dir)
+    if config.runner == "ray":
+        # Before any dataset is made: Ray Data would otherwise start Ray itself, with a CPU
+        # apiece for the workers and none left for its own tasks.
+        import ray.data
+
+        connect_ray(config)
+        ray.data.DataContext.get_current().enable_progress_bars = False  # the training bar is the one to watch
     metrics_path = run_dir / METRICS_FILE
     loop_config = {
         **config.to_dict(),
@@ -482,12 +489,9 @@ def run_training(config: TrainConfig) -> dict:
 def _fit_with_ray(config: TrainConfig, loop_config: dict, datasets: dict):
     """The workers' loop under Ray Train's TorchTrainer: its last checkpoint."""
     import ray
-    import ray.data
     from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchTrainer
 
-    connect_ray(config)
-    ray.data.DataContext.get_current().enable_progress_bars = False  # the training bar is the one to watch
     trainer = TorchTrainer(
         train_loop_per_worker,
         train_loop_config=loop_config,
