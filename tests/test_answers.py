@@ -119,3 +119,10 @@ def test_shards_can_carry_the_prompt_rows_before_each_answer(tiny_smol_teacher, 
     assert seq["tokens"].tolist() == prompt[-3:] + answer and seq["first_answer_row"] == 3
     assert seq["positions"].tolist() == list(range(first - 3, first + len(answer)))
     torch.testing.assert_close(seq["features"], states[first - 3:first + len(answer)].half().float())
+
+
+def test_an_answer_file_with_unknown_labels_is_refused_naming_the_field(tmp_path):
+    path = write_answers(tmp_path / "answers-00000.npz", ["a"], ["general"], [[1, 2]], [[3, 4]], fingerprint="f",
+                         vocab_size=10, labels="writer")
+    with pytest.raises(AnswersError, match=r"answers-00000.npz: field 'labels' is 'writer', not one of \('answer', 'target'\)"):
+        read_answers(path)

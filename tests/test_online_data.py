@@ -185,3 +185,68 @@ def test_online_answer_folders_without_answers_are_a_clear_error(tiny_model_dir,
                          train_answers=[str(tmp_path / "empty")])
     with pytest.raises(TrainConfigError, match=r"train_answers: .*empty: no answer files.*restore_answers.sh"):
         _online_answers(config, tiny_model_dir)
+
+
+@torch.no_grad()
+def test_human_text_is_labelled_with_the_targets_own_top1_and_fed_as_written(tiny_model):
+    from vllm_mtpspec_train.online import TrainingAnswer, batch_examples, record_rows
+
+    torch.manual_seed(3)
+    prompt, text = torch.randint(0, 256, (7,)).tolist(), torch.randint(0, 256, (9,)).tolist()
+    answers = [TrainingAnswer(prompt, text, False), TrainingAnswer(prompt, text, True)]
+    store = record_rows(tiny_model, answers, context_rows=3, feature_layers=[], top_k=2, batch_tokens=64,
+                        device=torch.device("cpu"))
+    logits = tiny_model(torch.tensor([prompt + text])).logits[0]
+    top1 = logits[len(prompt) - 1:-1].argmax(-1)                        # the target's choice for each text token
+    assert not torch.equal(top1, torch.tensor(text))                     # a random text: the labels must differ
+    own, human = (slice(store.start[a].item(), store.start[a].item() + 3 + 9) for a in (0, 1))
+    assert store.tokens[own].tolist() == store.tokens[human].tolist()    # both read the text as written
+    assert store.labels[own][3:].tolist() == text                        # the target's own answer: its tokens
+    assert store.labels[human][3:].tolist() == top1.tolist()             # human text: the target's top-1
+    batch = batch_examples(store, [1], depth=2)
+    assert batch["targets"][:, 0].tolist() == top1[1:].tolist()          # depth 1 from answer row r: label of r + 1
+    assert batch["targets"][:-1, 1].tolist() == top1[2:].tolist()
+
+
+def test_answer_files_of_human_text_say_so_and_the_job_reads_it(tiny_model_dir, tmp_path):
+    from transformers import AutoTokenizer
+
+    from tests.conftest import make_tiny_smol
+    from vllm_mtpspec.answers import read_answers
+    from vllm_mtpspec.prompts import Prompt
+    from vllm_mtpspec_train.data import write_text_answers
+    from vllm_mtpspec_train.online import read_answer_dirs
+
+    model_dir = make_tiny_smol(tmp_path / "smol", seed=0)
+    texts = [(Prompt("Describe the package `alpha`.", "package-docs", "a"), "Alpha parses dates. " * 3),
+             (Prompt("Describe the package `beta`.", "package-docs", "b"), "Beta draws plots. " * 40),
+             (Prompt("Describe the package `gamma`.", "package-docs", "c"), "Gamma reads files.")]
+    write_text_answers(model_dir, texts, tmp_path / "answers", max_new_tokens=32, shard_size=2)
+    first = read_answers(tmp_path / "answers" / "answers-00000.npz")
+    assert first["meta"]["labels"] == "target"
+    tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+    whole, cut = first["answers"]
+    assert whole == tokenizer.encode("Alpha parses dates. Alpha parses dates. Alpha parses dates.",
+                                     add_special_tokens=False) + [tokenizer.eos_token_id]
+    assert len(cut) == 32 and cut[-1] != tokenizer.eos_token_id        # cut texts do not end the turn
+    read = read_answer_dirs([str(tmp_path / "answers")], fingerprint=None, vocab_size=49152)
+    assert [answer.labels_from_target for answer in read] == [True, True, True]
+    assert len(read_answer_dirs([str(tmp_path / "answers")], fingerprint=None, vocab_size=49152,
+                                files_per_dir=[1])) == 2              # the first answer file only
+
+
+def test_max_train_shards_counts_answer_files_on_the_online_path(tiny_model_dir, tmp_path):
+    from vllm_mtpspec.answers import answers_path, write_answers
+    from vllm_mtpspec.checkpoint import model_fingerprint
+    from vllm_mtpspec_train.config import TrainConfig
+    from vllm_mtpspec_train.train import _online_answers
+
+    for folder, files in (("many", 3), ("few", 1)):
+        for index in range(files):
+            write_answers(answers_path(tmp_path / folder, index), [f"{folder}{index}"], ["general"], [[1, 2, 3]],
+                          [[4, 5, 6, 7]], fingerprint=model_fingerprint(tiny_model_dir), vocab_size=256)
+    config = TrainConfig(model=str(tiny_model_dir), head_kind="attention", data_source="online", max_steps=5,
+                         train_answers=[str(tmp_path / "many"), str(tmp_path / "few")], max_train_shards=3)
+    summary = _online_answers(config, tiny_model_dir)
+    assert summary["answer_files_per_dir"] == [2, 1]                   # split as evenly as the folders allow
+    assert summary["train_answers"] == 3 and summary["train_answer_tokens"] == 12

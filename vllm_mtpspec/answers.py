@@ -10,6 +10,12 @@ Layout (numpy .npz, no pickled objects):
   ids, categories [n] str
   prompt_tokens, prompt_offsets [n + 1]   the prompts as the target saw them
   tokens, offsets [n + 1]                 the answers
+
+meta "labels" says what the answers are, and so what a drafter learns at each of their tokens:
+  "answer" (or absent): the target's own greedy answers; each answer token is the label.
+  "target": human-written text (a data set's answers, a package's documentation) that the
+            target reads; the label at each token is the target's own top-1 there, so the
+            drafter still learns the target's choices, not the writer's.
 """
 from __future__ import annotations
 
@@ -20,6 +26,7 @@ from pathlib import Path
 import numpy as np
 
 FORMAT = 1
+LABELS = ("answer", "target")
 
 
 class AnswersError(ValueError):
@@ -81,6 +88,9 @@ def read_answers(path: str | Path, *, fingerprint: str | None = None, vocab_size
                            f"target's is {fingerprint!r}: these answers were made by another model; point "
                            "train_answers / held_out_answers (or --answers) at answers made by this one, or "
                            "generate new ones")
+    if meta.get("labels", "answer") not in LABELS:
+        raise AnswersError(f"{path}: field 'labels' is {meta.get('labels')!r}, not one of {LABELS}; write the "
+                           "file again with python -m vllm_mtpspec_train.data")
     if not len(ids) == len(categories) == len(prompts) == len(answers):
         raise AnswersError(f"{path}: {len(ids)} ids, {len(prompts)} prompts and {len(answers)} answers do not match")
     if vocab_size is not None and any(t >= vocab_size for seq in prompts + answers for t in seq):

@@ -35,7 +35,7 @@ class TrainConfig:
     prompts: str | None = None                 # JSONL / ShareGPT JSON / text, or "sharegpt"
     max_prompts: int | None = None
     max_new_tokens: int = 256
-    max_train_shards: int | None = None         # the first N shards only (same-budget comparisons)
+    max_train_shards: int | None = None         # the first N shards (online: answer files) only, split over the sources
     # "shards": the target's states read from shards on disk (train_data). "online" (an
     # attention block, post-hoc): each worker runs the frozen target over its share of the
     # train_answers folders and keeps the rows in memory; no shards (vllm_mtpspec_train/online.py).

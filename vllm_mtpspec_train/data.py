@@ -14,6 +14,7 @@ Shard layout: vllm_mtpspec.shards.
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 import time
@@ -27,7 +28,7 @@ from vllm_mtpspec.models import resolve_model
 from vllm_mtpspec.prompts import Prompt, apply_chat_template
 from vllm_mtpspec.sharegpt import is_held_out
 from vllm_mtpspec_train.answers import shards_from_answers
-from vllm_mtpspec_train.prompts import load_prompt_source
+from vllm_mtpspec_train.prompts import TEXT_SOURCES, load_prompt_source
 
 logger = logging.getLogger(__name__)
 
@@ -103,6 +104,44 @@ def generate_answers(
     return out
 
 
+def write_text_answers(
+    model_dir: str | Path,
+    texts: list[tuple[Prompt, str]],
+    answers_dir: str | Path,
+    *,
+    max_new_tokens: int = 256,
+    max_prompt_tokens: int = 384,
+    shard_size: int = 64,
+    source: str | None = None,
+) -> Path:
+    """Human-written answers as answer files with labels "target": each text tokenized as the
+    target would read it after its prompt, cut to max_new_tokens (a whole one ends with the
+    end-of-turn token, as the target's own answers do). Nothing is generated: the target
+    labels the text when a drafter trains on it. File i holds texts[i * shard_size:...]."""
+    from transformers import AutoTokenizer
+
+    from vllm_mtpspec.checkpoint import model_fingerprint
+
+    out = Path(answers_dir)
+    prompts = [prompt for prompt, _ in texts]
+    tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+    fingerprint = model_fingerprint(model_dir)
+    vocab_size = json.loads((Path(model_dir) / "config.json").read_text())["vocab_size"]
+    num_files = -(-len(texts) // shard_size)
+    for index in tqdm([i for i in range(num_files) if not _answered(out, i, prompts[i * shard_size:(i + 1) * shard_size])],
+                      desc="human-written answers", unit="file"):
+        batch = texts[index * shard_size:(index + 1) * shard_size]
+        prompt_ids = [encode_prompt(tokenizer, prompt, max_prompt_tokens) for prompt, _ in batch]
+        answers = []
+        for _, text in batch:
+            ids = tokenizer.encode(text.strip(), add_special_tokens=False)
+            answers.append(ids[:max_new_tokens] if len(ids) >= max_new_tokens else ids + [tokenizer.eos_token_id])
+        write_answers(answers_path(out, index), [p.id for p, _ in batch], [p.category for p, _ in batch], prompt_ids,
+                      answers, fingerprint=fingerprint, vocab_size=vocab_size, labels="target",
+                      max_new_tokens=max_new_tokens, max_prompt_tokens=max_prompt_tokens, source=source)
+    return out
+
+
 def _answered(answers_dir: Path, index: int, prompts: list[Prompt]) -> bool:
     """Whether answer file `index` answers these prompts. A file of a longer prompt list
     (these prompts and more after them) serves; one that answers the first of them only
@@ -158,6 +197,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--answers", default=None, help="folder for answers-*.npz (default: OUT/answers)")
     parser.add_argument("--answers-only", action="store_true",
                         help="generate answer files and stop: no hidden states, no shards")
+    parser.add_argument("--human-text", action="store_true",
+                        help="write the source's human-written answers (" + ", ".join(TEXT_SOURCES) + ") as answer "
+                             "files in --answers instead of generating the target's own; the training job's online "
+                             "path labels them with the target's top-1. Needs no vLLM, writes no shards")
     parser.add_argument("--max-prompts", type=int, default=None)
     parser.add_argument("--max-new-tokens", type=int, default=256)
     parser.add_argument("--max-prompt-tokens", type=int, default=384)
@@ -184,6 +227,17 @@ def main(argv: list[str] | None = None) -> None:
             parser.error("--from-answers reads the answer files of --answers: give that folder")
         shards_from_answers(resolve_model(args.model, dtype=args.dtype), args.answers, args.out, top_k=args.top_k,
                             context_rows=args.context_rows, feature_layers=args.feature_layers)
+        return
+    if args.human_text:
+        if args.prompts not in TEXT_SOURCES or not args.answers:
+            parser.error(f"--human-text writes the texts of --prompts {' or '.join(TEXT_SOURCES)} into --answers: "
+                         f"give both (--prompts is {args.prompts!r}, --answers {args.answers!r})")
+        texts = [(p, text) for p, text in TEXT_SOURCES[args.prompts]()
+                 if args.split == "all" or is_held_out(p.id) == (args.split == "held-out")][: args.max_prompts]
+        logger.info("%d human-written answers -> %s", len(texts), args.answers)
+        write_text_answers(resolve_model(args.model, dtype=args.dtype), texts, args.answers,
+                           max_new_tokens=args.max_new_tokens, max_prompt_tokens=args.max_prompt_tokens,
+                           shard_size=args.shard_size, source=f"{args.prompts} (human-written)")
         return
     prompts = load_prompt_source(args.prompts)
     if args.split != "all":

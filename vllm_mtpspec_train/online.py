@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -30,14 +31,25 @@ def seed_of(*parts: int) -> int:
     return int(np.random.SeedSequence(list(parts)).generate_state(1, dtype=np.uint64)[0])
 
 
+class TrainingAnswer(NamedTuple):
+    prompt: list[int]
+    answer: list[int]
+    # The answer is human-written text (answer files with meta labels "target"): its labels
+    # are the target's top-1 at each row, not its own next tokens.
+    labels_from_target: bool = False
+
+
 @dataclass
 class RowStore:
     """Every kept row of a set of answers, packed: answer a's rows are start[a] ..
     start[a] + context[a] - 1 (prompt rows, the last `context_rows` before the answer) then
-    length[a] answer rows. Row p's token is the one its state produced (s_{p+1})."""
+    length[a] answer rows. Row p's token is the one that follows its state in the text (s_{p+1});
+    its label is what the drafter learns to predict there: the same token in the target's own
+    answers, the target's top-1 in human-written text."""
     features: torch.Tensor              # [R, d] fp16, the target's final (normed) state
     layer_features: torch.Tensor | None  # [R, n, d] fp16, the states entering feature_layers
     tokens: torch.Tensor                # [R] long
+    labels: torch.Tensor                # [R] long
     positions: torch.Tensor             # [R] long, the row's place in prompt + answer
     topk_ids: torch.Tensor              # [R, K] int32 (-1 outside answers)
     topk_logprobs: torch.Tensor         # [R, K] fp16
@@ -50,19 +62,22 @@ class RowStore:
         return len(self.context)
 
 
-def read_answer_dirs(dirs: list[str], *, fingerprint: str | None,
-                     vocab_size: int) -> list[tuple[list[int], list[int]]]:
-    """(prompt ids, answer ids) of every answer in the folders' answer files, in order."""
-    pairs: list[tuple[list[int], list[int]]] = []
-    for folder in dirs:
-        files = list_answer_files(folder)
+def read_answer_dirs(dirs: list[str], *, fingerprint: str | None, vocab_size: int,
+                     files_per_dir: list[int | None] | None = None) -> list[TrainingAnswer]:
+    """Every answer in the folders' answer files (the first files_per_dir[i] of folder i,
+    None: all), in order."""
+    pairs: list[TrainingAnswer] = []
+    for folder, count in zip(dirs, files_per_dir or [None] * len(dirs)):
+        files = list_answer_files(folder)[:count]
         if not files:
             raise FileNotFoundError(f"{folder}: no answer files (answers-*.npz); pass folders that "
                                     "`python -m vllm_mtpspec_train.data --answers-only` wrote (the committed "
                                     "training answers come back with `bash scripts/restore_answers.sh`)")
         for path in files:
             kept = read_answers(path, fingerprint=fingerprint, vocab_size=vocab_size)
-            pairs += [(p, a) for p, a in zip(kept["prompt_ids"], kept["answers"]) if len(a) >= 2 and len(p) >= 1]
+            from_target = kept["meta"].get("labels", "answer") == "target"
+            pairs += [TrainingAnswer(p, a, from_target) for p, a in zip(kept["prompt_ids"], kept["answers"])
+                      if len(a) >= 2 and len(p) >= 1]
     return pairs
 
 
@@ -85,12 +100,14 @@ def length_batches(lengths: list[int], batch_tokens: int, order: list[int]) -> l
 def record_rows(model, pairs, *, context_rows: int, feature_layers: list[int], top_k: int, batch_tokens: int,
                 device: torch.device, progress: bool = True) -> RowStore:
     """The frozen target read along every (prompt, answer): right-padded batches of similar
-    length, one pass each. Row states are what vllm_mtpspec_train.answers.teacher_forced records."""
+    length, one pass each. Row states are what vllm_mtpspec_train.answers.teacher_forced records.
+    pairs: TrainingAnswer, or (prompt, answer) tuples of the target's own answers."""
+    pairs = [TrainingAnswer(*pair) for pair in pairs]
     decoder = model.get_decoder()
     lm_head = model.get_output_embeddings().weight
     d = lm_head.shape[1]
-    context = [min(context_rows, len(p) - 1) for p, _ in pairs]
-    length = [len(a) for _, a in pairs]
+    context = [min(context_rows, len(pair.prompt) - 1) for pair in pairs]
+    length = [len(pair.answer) for pair in pairs]
     kept = [c + n for c, n in zip(context, length)]
     start = [0]
     for n in kept:
@@ -101,11 +118,12 @@ def record_rows(model, pairs, *, context_rows: int, feature_layers: list[int], t
         layer_features=(torch.empty(total, len(feature_layers), d, dtype=torch.float16, device=device)
                         if feature_layers else None),
         tokens=torch.empty(total, dtype=torch.long, device=device),
+        labels=torch.empty(total, dtype=torch.long, device=device),
         positions=torch.empty(total, dtype=torch.long, device=device),
         topk_ids=torch.full((total, top_k), -1, dtype=torch.int32, device=device),
         topk_logprobs=torch.full((total, top_k), float("-inf"), dtype=torch.float16, device=device),
         start=torch.tensor(start[:-1], dtype=torch.long, device=device), context=context, length=length)
-    full = [len(p) + len(a) for p, a in pairs]
+    full = [len(pair.prompt) + len(pair.answer) for pair in pairs]
     order = sorted(range(len(pairs)), key=lambda i: full[i])
     bar = tqdm(total=sum(full), desc="target states", unit="tok", unit_scale=True, mininterval=5,
                disable=not progress)
@@ -132,13 +150,17 @@ def record_rows(model, pairs, *, context_rows: int, feature_layers: list[int], t
             logprobs = torch.log_softmax((states[b, first:first + length[i]] @ lm_head.T).float(), -1)
             top_lp, top_ids = logprobs.topk(top_k, dim=-1)
             store.topk_ids[answer_rows], store.topk_logprobs[answer_rows] = top_ids.int(), top_lp.half()
+            store.labels[out] = store.tokens[out]
+            if pairs[i].labels_from_target:
+                store.labels[answer_rows] = top_ids[:, 0]
         bar.update(sum(full[i] for i in batch))
     bar.close()
     return store
 
 
 def record_share(model_dir, answer_dirs: list[str], *, rank: int, world_size: int, context_rows: int,
-                 feature_layers: list[int], top_k: int, batch_tokens: int, device: torch.device) -> RowStore:
+                 feature_layers: list[int], top_k: int, batch_tokens: int, device: torch.device,
+                 files_per_dir: list[int | None] | None = None) -> RowStore:
     """A worker's share of the answers (every world_size-th, from rank on: each worker gets some
     of every folder), recorded by the frozen target on `device`; the target is let go after."""
     from transformers import AutoModelForCausalLM
@@ -147,8 +169,8 @@ def record_share(model_dir, answer_dirs: list[str], *, rank: int, world_size: in
 
     model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32,
                                                  attn_implementation="sdpa").to(device).eval()
-    pairs = read_answer_dirs(answer_dirs, fingerprint=model_fingerprint(model_dir),
-                             vocab_size=model.config.vocab_size)[rank::world_size]
+    pairs = read_answer_dirs(answer_dirs, fingerprint=model_fingerprint(model_dir), vocab_size=model.config.vocab_size,
+                             files_per_dir=files_per_dir)[rank::world_size]
     if not pairs:
         raise ValueError(f"train_answers hold fewer answers than the {world_size} workers: worker {rank} has none; "
                          "use fewer workers (num_workers) or more answers")
@@ -175,7 +197,7 @@ def epoch_batches(store: RowStore, *, batch_rows: int, seed: int) -> list[list[i
 def batch_examples(store: RowStore, answers: list[int], depth: int) -> dict[str, torch.Tensor]:
     """Answers as one right-padded batch for DraftBlock.unrolled, with the answers' rows as
     query_rows and the loss rows among them: every answer row that has a next token, its
-    targets at depths 1..depth (the answer's tokens 1..depth ahead, -1 past its end) and the
+    targets at depths 1..depth (the labels of the answer's rows 1..depth ahead, -1 past its end) and the
     target's top-k there (what vllm_mtpspec_train.examples gives the Ray job's BlockModule)."""
     device = store.features.device
     n = torch.tensor([store.context[a] + store.length[a] for a in answers], device=device)
@@ -205,7 +227,7 @@ def batch_examples(store: RowStore, answers: list[int], depth: int) -> dict[str,
     target_rows = torch.where(has, start[loss_b][:, None] + context[loss_b][:, None] + loss_r[:, None] + ahead, 0)
     batch.update(
         loss_b=loss_b, loss_r=loss_r,
-        targets=torch.where(has, store.tokens[target_rows], -1),
+        targets=torch.where(has, store.labels[target_rows], -1),
         teacher_ids=torch.where(has[..., None], store.topk_ids[target_rows], -1),
         teacher_logprobs=torch.where(has[..., None], store.topk_logprobs[target_rows].float(), float("-inf")),
     )

@@ -57,9 +57,10 @@ def _template(templates: tuple[str, ...], key: str) -> str:
     return templates[int(hashlib.sha1(key.encode()).hexdigest(), 16) % len(templates)]
 
 
-def readme_prompts() -> list[Prompt]:
+def _readmes() -> list[tuple[str, str, str]]:
+    """(name, version, description) of every installed distribution that may be read."""
     held_out = _held_out_distributions() | {"vllm-mtpspec"}
-    seen, prompts = set(), []
+    seen, found = set(), []
     for dist in importlib.metadata.distributions():
         name = (dist.metadata["Name"] or "").lower()
         text = (dist.metadata.get_payload() or dist.metadata.get("Description") or "").strip()
@@ -67,13 +68,13 @@ def readme_prompts() -> list[Prompt]:
             continue
         seen.add(name)
         text = text[:README_CHARS[1]].rsplit("\n", 1)[0] if len(text) > README_CHARS[1] else text
-        pid = f"package-readme:{name}=={dist.version}"
-        prompts.append(Prompt(_template(README_TEMPLATES, pid).format(text=text), "package-docs", pid))
-    return prompts
+        found.append((name, dist.version, text))
+    return found
 
 
-def function_prompts() -> list[Prompt]:
-    prompts = []
+def _functions() -> list[tuple[str, ast.FunctionDef, str, str]]:
+    """(id, node, docstring, source) of FUNCTIONS_PER_PACKAGE documented functions per package."""
+    chosen = []
     for package in FUNCTION_PACKAGES:
         spec = importlib.util.find_spec(package)
         if spec is None or not spec.origin:
@@ -101,12 +102,46 @@ def function_prompts() -> list[Prompt]:
                 text = ast.get_source_segment(source, node) or ""
                 if len(doc) < 40 or not text or len(text) > FUNCTION_SOURCE_CHARS:
                     continue
-                pid = f"package-function:{module}.{node.name}"
-                found.append(Prompt(_template(FUNCTION_TEMPLATES, pid).format(
-                    signature=f"{node.name}({ast.unparse(node.args)})", doc=doc.split("\n\n")[0],
-                    source=text + "\n"), "package-code", pid))
-        prompts += _ordered(found)[:FUNCTIONS_PER_PACKAGE]
+                found.append((f"{module}.{node.name}", node, doc, text))
+        found.sort(key=lambda item: hashlib.sha1(f"package-function:{item[0]}".encode()).hexdigest())
+        chosen += found[:FUNCTIONS_PER_PACKAGE]
+    return chosen
+
+
+def _signature(node: ast.FunctionDef) -> str:
+    return f"{node.name}({ast.unparse(node.args)})"
+
+
+def readme_prompts() -> list[Prompt]:
+    prompts = []
+    for name, version, text in _readmes():
+        pid = f"package-readme:{name}=={version}"
+        prompts.append(Prompt(_template(README_TEMPLATES, pid).format(text=text), "package-docs", pid))
     return prompts
+
+
+def function_prompts() -> list[Prompt]:
+    prompts = []
+    for key, node, doc, source in _functions():
+        pid = f"package-function:{key}"
+        prompts.append(Prompt(_template(FUNCTION_TEMPLATES, pid).format(
+            signature=_signature(node), doc=doc.split("\n\n")[0], source=source + "\n"), "package-code", pid))
+    return prompts
+
+
+def package_texts() -> list[tuple[Prompt, str]]:
+    """The same projects' and functions' own words as answers: each description answers a
+    request to describe the project, each function's source a request to write it from its
+    docstring. Human-written text for the target to label (answer files with labels
+    "target"), against which its own answers to package_prompts can be compared token for token."""
+    texts = []
+    for name, version, text in _readmes():
+        texts.append((Prompt(f"Describe the Python package `{name}`: what it does and how to start using it.",
+                             "package-docs", f"package-readme-text:{name}=={version}"), text))
+    for key, node, doc, source in _functions():
+        texts.append((Prompt(FUNCTION_TEMPLATES[0].format(signature=_signature(node), doc=doc.split("\n\n")[0]),
+                             "package-code", f"package-function-text:{key}"), f"```python\n{source}\n```"))
+    return sorted(texts, key=lambda pair: hashlib.sha1(pair[0].id.encode()).hexdigest())
 
 
 def package_prompts() -> list[Prompt]:

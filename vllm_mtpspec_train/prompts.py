@@ -8,10 +8,21 @@ from vllm_mtpspec.held_out_sources import held_out_prompts
 from vllm_mtpspec.prompts import Prompt, PromptsError, load_prompts_jsonl
 from vllm_mtpspec.sharegpt import guess_category, iter_sharegpt, sharegpt_later_turns, sharegpt_path, sharegpt_prompts
 from vllm_mtpspec_train.dataframebench import dataframebench_prompts
-from vllm_mtpspec_train.package_prompts import package_prompts
+from vllm_mtpspec_train.package_prompts import package_prompts, package_texts
 
 PROMPT_SOURCES = {"sharegpt": sharegpt_prompts, "sharegpt-later-turns": sharegpt_later_turns,
                   "dataframebench": dataframebench_prompts, "package-docs": package_prompts}
+
+
+def sharegpt_texts() -> list[tuple[Prompt, str]]:
+    """ShareGPT's first turns with the dataset's own answers (what Medusa-1 and EAGLE-1 train on)."""
+    answers = sharegpt_answers()
+    return [(p, answers[p.id]) for p in sharegpt_prompts() if answers.get(p.id, "").strip()]
+
+
+# Sources of human-written answers: (prompt, text) pairs that the target labels instead of
+# answering (vllm_mtpspec_train.data --human-text).
+TEXT_SOURCES = {"sharegpt": sharegpt_texts, "package-docs": package_texts}
 
 
 HELD_OUT_SOURCES = "held-out-sources"  # "held-out-sources[:N]": N prompts of each source the drafters never train on

@@ -120,7 +120,8 @@ def _online_epochs(loop_config: dict, *, rank: int, world_size: int, device: tor
 
     store = record_share(loop_config["model_dir"], loop_config["train_answers"], rank=rank, world_size=world_size,
                          context_rows=loop_config["context_rows"], feature_layers=loop_config["feature_layers"],
-                         top_k=TOP_K, batch_tokens=loop_config["record_batch_rows"], device=device)
+                         top_k=TOP_K, batch_tokens=loop_config["record_batch_rows"], device=device,
+                         files_per_dir=loop_config["answer_files_per_dir"])
     logger.info("worker %d: %d rows of %d answers recorded", rank, store.features.shape[0], store.num_answers)
 
     def batches(epoch: int):
@@ -414,14 +415,20 @@ def _online_answers(config: TrainConfig, model_dir: Path) -> dict:
     folders = config.train_answers if isinstance(config.train_answers, list) else [config.train_answers]
     folders = [str(Path(folder).absolute()) for folder in folders]
     vocab_size = json.loads((model_dir / "config.json").read_text())["vocab_size"]
+    # max_train_shards counts answer files here (answer file i holds shard i's answers).
+    files_per_dir = (None if config.max_train_shards is None else
+                     split_budget(config.max_train_shards, [len(list_answer_files(folder)) for folder in folders]))
     try:
-        pairs = read_answer_dirs(folders, fingerprint=model_fingerprint(model_dir), vocab_size=vocab_size)
+        pairs = read_answer_dirs(folders, fingerprint=model_fingerprint(model_dir), vocab_size=vocab_size,
+                                 files_per_dir=files_per_dir)
     except (FileNotFoundError, AnswersError) as err:
         raise TrainConfigError(f"train_answers: {err}") from None
     if len(pairs) < config.num_workers:
         raise TrainConfigError(f"train_answers hold {len(pairs)} answers, fewer than num_workers="
                                f"{config.num_workers}: use fewer workers or more answers")
-    return {"answer_dirs": folders, "train_answers": len(pairs), "train_answer_tokens": sum(len(a) for _, a in pairs)}
+    return {"answer_dirs": folders, "answer_files_per_dir": files_per_dir, "train_answers": len(pairs),
+            "train_answer_tokens": sum(len(pair.answer) for pair in pairs),
+            "train_text_answer_tokens": sum(len(pair.answer) for pair in pairs if pair.labels_from_target)}
 
 
 def run_training(config: TrainConfig) -> dict:
@@ -457,6 +464,7 @@ def run_training(config: TrainConfig) -> dict:
         datasets, total_steps, data_summary = {}, config.max_steps, _online_answers(config, model_dir)
         # Absolute: Ray Train's workers do not run in the driver's working directory.
         loop_config["train_answers"] = data_summary.pop("answer_dirs")
+        loop_config["answer_files_per_dir"] = data_summary["answer_files_per_dir"]
         logger.info("%d training answers, recorded by the workers; %d steps on %d worker(s)",
                     data_summary["train_answers"], total_steps, config.num_workers)
     else:
