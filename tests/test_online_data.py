@@ -67,6 +67,30 @@ def test_recorded_rows_and_batches_are_the_shards_examples(tiny_model):
     assert store.context == [4, 2, 4]                                   # capped by the prompt rows there are
 
 
+@torch.no_grad()
+def test_heads_rows_are_the_shards_examples(tiny_model):
+    """Parallel and sequential heads read answer rows alone: the online rows must be the
+    columns shard_examples gives the shard path."""
+    from vllm_mtpspec_train.answers import shard_from_answers
+    from vllm_mtpspec_train.examples import shard_examples
+    from vllm_mtpspec_train.online import record_rows, row_examples
+
+    torch.manual_seed(4)
+    pairs = [(torch.randint(0, 256, (n,)).tolist(), torch.randint(0, 256, (m,)).tolist())
+             for n, m in [(9, 6), (3, 8), (14, 2)]]
+    store = record_rows(tiny_model, pairs, context_rows=0, feature_layers=[], top_k=3, batch_tokens=40,
+                        device=torch.device("cpu"))
+    shard = shard_from_answers(SimpleNamespace(model=tiny_model), ["a", "b", "c"], ["general"] * 3,
+                               [p for p, _ in pairs], [a for _, a in pairs], top_k=3)
+    theirs = shard_examples(shard, 3)
+    mine = row_examples(store, [0, 1, 2], 3)
+    assert len(mine["token"]) == 5 + 7 + 1
+    for key in ("token", "targets", "teacher_ids"):
+        assert mine[key].tolist() == theirs[key].tolist(), key
+    torch.testing.assert_close(mine["teacher_logprobs"], torch.from_numpy(theirs["teacher_logprobs"]))
+    torch.testing.assert_close(mine["hidden"], torch.from_numpy(theirs["hidden"]).float(), atol=2e-3, rtol=2e-3)
+
+
 def test_length_batches_keep_padded_rows_within_the_budget():
     from vllm_mtpspec_train.online import length_batches
 
@@ -157,8 +181,10 @@ def test_the_learning_rate_warms_up_then_falls_with_the_step():
 @pytest.mark.parametrize("fields, message", [
     ({"head_kind": "attention", "data_source": "online", "train_answers": "a"},
      r"data_source='online': the schedule is in steps.*set max_steps"),
-    ({"head_kind": "parallel", "data_source": "online", "train_answers": "a", "max_steps": 5},
-     r"data_source='online' with head_kind='parallel'.*set head_kind='attention' or data_source='shards'"),
+    ({"mode": "cotrain", "student": "s", "data_source": "online", "train_answers": "a", "max_steps": 5},
+     r"data_source='online' with mode='cotrain'.*set data_source='shards'"),
+    ({"data_source": "online", "train_answers": "a", "max_steps": 5, "quantize_aware_steps": 3, "int2_group_size": 64},
+     r"data_source='online' with quantize_aware_steps.*set quantize_aware_steps to 0 or data_source='shards'"),
     ({"head_kind": "attention", "data_source": "online", "max_steps": 5}, r"data_source='online' reads answer files: set train_answers"),
     ({"head_kind": "attention", "data_source": "online", "train_answers": "a", "max_steps": 5,
       "int2_method": "gptq"}, r"data_source='online' with int2_method='gptq'.*use int2_method 'rtn'"),

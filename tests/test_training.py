@@ -316,6 +316,29 @@ def test_a_local_run_needs_no_ray_and_resumes_from_its_checkpoint_after_a_kill(t
         TrainConfig(**{**common, "data_source": "shards"})
 
 
+@pytest.mark.parametrize("head_kind", ["parallel", "sequential"])
+def test_heads_train_on_the_online_path_without_shards(tiny_smol_teacher, tiny_data, tmp_path, head_kind):
+    """Every drafter kind trains from answer files alone: parallel and sequential heads as the
+    draft block does, their rows recorded by the target in the worker, no shards written."""
+    from vllm_mtpspec.checkpoint import load_heads
+
+    config = TrainConfig(model=str(tiny_smol_teacher), head_kind=head_kind, data_source="online", num_heads=2,
+                         head_input="hidden+token", train_answers=str(tiny_data / "train" / "answers"),
+                         held_out_data=str(tmp_path / "held"), held_out_answers=str(tiny_data / "held" / "answers"),
+                         batch_rows=64, max_steps=12, warmup_steps=2, lr=3e-3, num_negatives=256, runner="local",
+                         checkpoint_every=6, log_every=1, storage_path=str(tmp_path / "runs"), int2_group_size=None,
+                         name=head_kind, out=str(tmp_path / "heads"))
+    summary = run_training(config)
+    rows = [r for r in metrics(tmp_path / "runs" / head_kind) if "loss" in r]
+    assert [r["step"] for r in rows] == list(range(1, 13))
+    assert sum(r["loss"] for r in rows[-3:]) < sum(r["loss"] for r in rows[:3]), rows
+    heads, init = load_heads(summary["heads_dir"]), load_heads(tmp_path / "runs" / head_kind / "init-heads")
+    assert heads.config.head_kind == head_kind
+    assert any(not torch.equal(a, b) for a, b in zip(heads.state_dict().values(), init.state_dict().values()))
+    assert not list(tmp_path.glob("runs/*/shard-*.pt"))
+    assert len(summary["held_out"]["fp32"]["conditional_top1"]) == 2
+
+
 def test_clear_errors(tiny_smol_teacher, tmp_path):
     not_jsonl = tmp_path / "prompts.jsonl"
     not_jsonl.write_text("just some text\nthat is not json\n")

@@ -36,8 +36,8 @@ class TrainConfig:
     max_prompts: int | None = None
     max_new_tokens: int = 256
     max_train_shards: int | None = None         # the first N shards (online: answer files) only, split over the sources
-    # "shards": the target's states read from shards on disk (train_data). "online" (an
-    # attention block, post-hoc): each worker runs the frozen target over its share of the
+    # "shards": the target's states read from shards on disk (train_data). "online" (any
+    # drafter, post-hoc): each worker runs the frozen target over its share of the
     # train_answers folders and keeps the rows in memory; no shards (vllm_mtpspec_train/online.py).
     data_source: str = "shards"
     context_rows: int = CONTEXT_ROWS           # an attention block's prompt rows read before each answer
@@ -174,10 +174,14 @@ class TrainConfig:
             raise TrainConfigError(f"data_source={self.data_source!r}: choose one of {DATA_SOURCES}")
         if self.data_source != "online":
             return
-        if self.head_kind != "attention":
-            raise TrainConfigError(f"data_source='online' with head_kind={self.head_kind!r}: the online path trains "
-                                   "an attention draft block so far; set head_kind='attention' or "
-                                   "data_source='shards'")
+        if self.mode != "posthoc":
+            raise TrainConfigError(f"data_source='online' with mode={self.mode!r}: the online path trains drafters "
+                                   "post-hoc on the frozen target's states; co-training reads the answers from "
+                                   "shards, so set data_source='shards'")
+        if self.quantize_aware_steps:
+            raise TrainConfigError("data_source='online' with quantize_aware_steps: they calibrate on training "
+                                   "shards, which the online path does not write; set quantize_aware_steps to 0 "
+                                   "or data_source='shards'")
         if not self.train_answers:
             raise TrainConfigError("data_source='online' reads answer files: set train_answers to the answer "
                                    "folders (one or a list), e.g. data/self-distilled/smollm2-135m-instruct/train")

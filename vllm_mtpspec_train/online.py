@@ -1,5 +1,5 @@
-"""The online data path of the training job (`data_source: "online"`): an attention draft block
-trained straight from the answer files, with no shards on disk.
+"""The online data path of the training job (`data_source: "online"`): drafters trained post-hoc
+straight from the answer files, with no shards on disk.
 
 Shards cost 1-5 KB a row; for a draft block's answers with their prompt rows and three layers'
 states they run to hours of CPU time and tens of GB. Instead each worker (Ray Train's, or a
@@ -222,16 +222,35 @@ def batch_examples(store: RowStore, answers: list[int], depth: int) -> dict[str,
     if store.layer_features is not None:
         batch["layer_features"] = store.layer_features[rows[:, :t]].float()
     loss_b, loss_r = torch.nonzero(answer_row < length[:, None] - 1, as_tuple=True)
-    ahead = torch.arange(1, depth + 1, device=device)
-    has = loss_r[:, None] + ahead < length[loss_b][:, None]                   # [R, depth]
-    target_rows = torch.where(has, start[loss_b][:, None] + context[loss_b][:, None] + loss_r[:, None] + ahead, 0)
-    batch.update(
-        loss_b=loss_b, loss_r=loss_r,
-        targets=torch.where(has, store.labels[target_rows], -1),
-        teacher_ids=torch.where(has[..., None], store.topk_ids[target_rows], -1),
-        teacher_logprobs=torch.where(has[..., None], store.topk_logprobs[target_rows].float(), float("-inf")),
-    )
+    batch.update(loss_b=loss_b, loss_r=loss_r,
+                 **_ahead(store, start[loss_b] + context[loss_b] + loss_r, length[loss_b] - loss_r, depth))
     return batch
+
+
+def row_examples(store: RowStore, answers: list[int], depth: int) -> dict[str, torch.Tensor]:
+    """The answers' rows as parallel or sequential heads read them (the columns of
+    vllm_mtpspec_train.examples.shard_examples): every answer row that has a next token, with
+    the target's state there, the token it produced, and the labels and top-k 1..depth rows on."""
+    device = store.features.device
+    index = torch.tensor(answers, device=device)
+    first = store.start[index] + torch.tensor([store.context[a] for a in answers], device=device)
+    length = torch.tensor([store.length[a] for a in answers], device=device)
+    longest = max(store.length[a] for a in answers)
+    which, r = torch.nonzero(torch.arange(longest, device=device) < length[:, None] - 1, as_tuple=True)
+    rows = first[which] + r
+    return {"hidden": store.features[rows].float(), "token": store.tokens[rows],
+            **_ahead(store, rows, length[which] - r, depth)}
+
+
+def _ahead(store: RowStore, rows: torch.Tensor, left: torch.Tensor, depth: int) -> dict[str, torch.Tensor]:
+    """For answer rows (left: rows to the answer's end, this one included), the labels at
+    depths 1..depth (-1 past the answer's end) and the target's top-k there."""
+    ahead = torch.arange(1, depth + 1, device=rows.device)
+    has = ahead < left[:, None]                                               # [R, depth]
+    target_rows = torch.where(has, rows[:, None] + ahead, 0)
+    return {"targets": torch.where(has, store.labels[target_rows], -1),
+            "teacher_ids": torch.where(has[..., None], store.topk_ids[target_rows], -1),
+            "teacher_logprobs": torch.where(has[..., None], store.topk_logprobs[target_rows].float(), float("-inf"))}
 
 
 def unrolled_states(block, batch: dict, embed: torch.Tensor) -> torch.Tensor:

@@ -116,10 +116,14 @@ def _online_epochs(loop_config: dict, *, rank: int, world_size: int, device: tor
     """epoch -> its batches, from the rows this worker recorded of its share of the answers.
     Epochs do not end the run (max_steps does): each worker's share has its own count of
     batches, and every worker must take the same number of steps."""
-    from vllm_mtpspec_train.online import batch_examples, epoch_batches, record_share, seed_of
+    from vllm_mtpspec_train.online import batch_examples, epoch_batches, record_share, row_examples, seed_of
 
+    # A draft block reads whole answers with their prompt rows; heads read answer rows alone.
+    block = loop_config["head_kind"] == "attention"
+    examples = batch_examples if block else row_examples
     store = record_share(loop_config["model_dir"], loop_config["train_answers"], rank=rank, world_size=world_size,
-                         context_rows=loop_config["context_rows"], feature_layers=loop_config["feature_layers"],
+                         context_rows=loop_config["context_rows"] if block else 0,
+                         feature_layers=loop_config["feature_layers"],
                          top_k=TOP_K, batch_tokens=loop_config["record_batch_rows"], device=device,
                          files_per_dir=loop_config["answer_files_per_dir"])
     logger.info("worker %d: %d rows of %d answers recorded", rank, store.features.shape[0], store.num_answers)
@@ -127,7 +131,7 @@ def _online_epochs(loop_config: dict, *, rank: int, world_size: int, device: tor
     def batches(epoch: int):
         for answers in epoch_batches(store, batch_rows=loop_config["batch_rows"],
                                      seed=seed_of(loop_config["seed"], rank, epoch)):
-            yield batch_examples(store, answers, num_heads)
+            yield examples(store, answers, num_heads)
 
     return batches, None
 
