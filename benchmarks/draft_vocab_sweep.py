@@ -5,8 +5,8 @@ The vocabulary is the N most frequent tokens of the training answers (`mtpspec h
 draft-vocab`); coverage is the share of held-out answer tokens it holds; top-1 and the
 chain's accepted length come from the held-out scorer (vllm_mtpspec_train/evaluate.py, the target's
 greedy answers teacher-forced); drafting time is one draft step of the heads (their
-layers, the projection onto the N rows, softmax and top-1: what the proposer runs) at
-batch 1 and 8, in the dtype given.
+layers and the projection onto the N rows, as the proposer runs them: head_kinds.draft_step_ms)
+at batch 1.
 
     python benchmarks/draft_vocab_sweep.py --sizes 4096,8192,16384,32768,0 \\
         --json benchmarks/results/draft_vocab_sweep.json --markdown benchmarks/results/draft_vocab_sweep.md
@@ -17,7 +17,7 @@ import platform
 from pathlib import Path
 
 import torch
-from timing import median_ms
+from head_kinds import draft_step_ms
 
 from vllm_mtpspec.checkpoint import load_heads
 from vllm_mtpspec.cli import answer_token_arrays
@@ -29,20 +29,6 @@ from vllm_mtpspec.weights import embedding_and_lm_head
 from vllm_mtpspec_train.evaluate import evaluate_heads
 
 DATA = "data/self-distilled/smollm2-135m-instruct"
-
-
-def draft_step_ms(heads, lm_head_weight, embed, batch: int, repeats: int) -> float:
-    project = heads.lm_head_for(lm_head_weight)
-    h = torch.randn(batch, heads.config.hidden_size)
-    e = embed[torch.randint(0, embed.shape[0], (batch,))] if heads.config.token_conditioned else None
-    temperatures = heads.temperatures[:, None]
-
-    def step():
-        logits = heads.project(heads.hidden(h, e), project).float()
-        torch.softmax(logits / temperatures, dim=-1).max(dim=-1)
-
-    with torch.inference_mode():
-        return median_ms(step, repeats)
 
 
 def main() -> None:
@@ -78,8 +64,7 @@ def main() -> None:
             "top1": scores["top1"],
             "chain_accepted_length": scores["mean_accepted_len"]["chain"],
             "chain_lookup_accepted_length": scores["mean_accepted_len"]["chain+lookup"],
-            "draft_step_ms_batch1": round(draft_step_ms(sized, lm_head, embed, 1, args.repeats), 3),
-            "draft_step_ms_batch8": round(draft_step_ms(sized, lm_head, embed, 8, args.repeats), 3),
+            "draft_step_ms_batch1": round(draft_step_ms(sized, lm_head, embed, args.repeats), 3),
         })
         print(json.dumps(rows[-1]), flush=True)
     machine = f"{platform.processor() or platform.machine()}, {args.threads} threads, torch {torch.__version__}"
@@ -89,12 +74,11 @@ def main() -> None:
         lines = [f"## Draft vocabulary sweep: {args.heads}", "",
                  f"{len(train)} training answers counted; held-out: {len(held_out)} answers; {machine}", "",
                  "| N | held-out coverage | top-1 per head | chain accepted length | chain+lookup | "
-                 "draft step, batch 1 (ms) | batch 8 (ms) |", "|---|---|---|---|---|---|---|"]
+                 "draft step, batch 1 (ms) |", "|---|---|---|---|---|---|"]
         for r in rows:
             lines.append(f"| {r['draft_vocab_size']} | {r['coverage_held_out']:.1%} | "
                          f"{' / '.join(f'{t:.3f}' for t in r['top1'])} | {r['chain_accepted_length']:.3f} | "
-                         f"{r['chain_lookup_accepted_length']:.3f} | {r['draft_step_ms_batch1']:.2f} | "
-                         f"{r['draft_step_ms_batch8']:.2f} |")
+                         f"{r['chain_lookup_accepted_length']:.3f} | {r['draft_step_ms_batch1']:.2f} |")
         Path(args.markdown).write_text("\n".join(lines) + "\n")
 
 
