@@ -276,3 +276,14 @@ def test_max_train_shards_counts_answer_files_on_the_online_path(tiny_model_dir,
     summary = _online_answers(config, tiny_model_dir)
     assert summary["answer_files_per_dir"] == [2, 1]                   # split as evenly as the folders allow
     assert summary["train_answers"] == 3 and summary["train_answer_tokens"] == 12
+
+
+def test_human_text_cli_names_the_sources_it_has_and_needs_no_shard_folder(capsys):
+    from vllm_mtpspec_train.data import main
+
+    with pytest.raises(SystemExit):
+        main(["--prompts", "dataframebench", "--human-text", "--answers", "somewhere"])
+    assert "--human-text writes the texts of --prompts sharegpt or package-docs into --answers" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["--prompts", "sharegpt", "--answers-only"])          # generating answers still needs --out
+    assert "--out: give the folder for the shards" in capsys.readouterr().err

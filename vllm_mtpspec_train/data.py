@@ -193,7 +193,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--prompts", default="sharegpt", help="'sharegpt' (first turns of the PyPI copy), 'sharegpt-later-turns' (every later turn, with "
                              "the conversation before it as context), 'dataframebench' (709 code tasks, the training split of "
                              "the PyPI package's wheel), or a JSONL / ShareGPT JSON / text file")
-    parser.add_argument("--out", required=True, help="folder for shard-*.pt (existing shards are kept)")
+    parser.add_argument("--out", default=None,
+                        help="folder for shard-*.pt (existing shards are kept); not needed with --human-text")
     parser.add_argument("--answers", default=None, help="folder for answers-*.npz (default: OUT/answers)")
     parser.add_argument("--answers-only", action="store_true",
                         help="generate answer files and stop: no hidden states, no shards")
@@ -222,6 +223,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    if not args.out and not args.human_text:
+        parser.error("--out: give the folder for the shards (and, without --answers, the answer files)")
     if args.from_answers:
         if not args.answers:
             parser.error("--from-answers reads the answer files of --answers: give that folder")
