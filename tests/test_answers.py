@@ -126,3 +126,11 @@ def test_an_answer_file_with_unknown_labels_is_refused_naming_the_field(tmp_path
                          vocab_size=10, labels="writer")
     with pytest.raises(AnswersError, match=r"answers-00000.npz: field 'labels' is 'writer', not one of \('answer', 'target'\)"):
         read_answers(path)
+
+
+def test_shards_are_refused_for_human_text_which_only_the_online_path_labels(tiny_smol_teacher, tmp_path):
+    write_answers(answers_path(tmp_path / "answers", 0), ["a"], ["general"], [[1, 2, 3]], [[4, 5, 6]],
+                  fingerprint=model_fingerprint(tiny_smol_teacher), vocab_size=49152, labels="target")
+    with pytest.raises(AnswersError, match=r"answers-00000.npz: field 'labels' is 'target'.*data_source 'online'"):
+        shards_from_answers(tiny_smol_teacher, tmp_path / "answers", tmp_path / "shards")
+    assert not list_shards(tmp_path / "shards")

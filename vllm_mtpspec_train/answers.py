@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from vllm_mtpspec.answers import list_answer_files, read_answers
+from vllm_mtpspec.answers import AnswersError, list_answer_files, read_answers
 from vllm_mtpspec.layer_states import recording_layer_inputs
 from vllm_mtpspec.shards import shard_path, write_shard
 
@@ -110,6 +110,11 @@ def shards_from_answers(model_dir: str | Path, answers_dir: str | Path, out_dir:
     bar = tqdm(todo, desc="shards from answers", unit="shard")
     for index, path in bar:
         kept = read_answers(path, fingerprint=fingerprint, vocab_size=vocab_size)
+        if kept["meta"].get("labels") == "target":
+            # A shard's labels are its answer tokens; human text must be labelled by the target.
+            raise AnswersError(f"{path}: field 'labels' is 'target' (human-written text, labelled with the target's "
+                               "top-1 by the training job's online path only); train on it with data_source "
+                               "'online', or give answers the target generated")
         shard = shard_from_answers(target, kept["ids"], kept["categories"], kept["prompt_ids"], kept["answers"],
                                    top_k=top_k, context_rows=context_rows, feature_layers=feature_layers)
         written.append(write_shard(out_dir, index, shard))
