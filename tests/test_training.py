@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from transformers import AutoModelForCausalLM
 
 from vllm_mtpspec.config import SpecOptions
 from vllm_mtpspec.drafter import HeadsDrafter
@@ -13,6 +14,7 @@ from vllm_mtpspec.prompts import load_prompts_jsonl
 from vllm_mtpspec.reference import ReferenceDecoder, plain_greedy
 from vllm_mtpspec.shards import list_shards
 from vllm_mtpspec.target import load_heads_for, load_target
+from vllm_mtpspec_train.answers import teacher_forced
 from vllm_mtpspec_train.config import TrainConfig, TrainConfigError
 from vllm_mtpspec_train.data import generate_self_distillation
 from vllm_mtpspec_train.train import ensure_data, run_training
@@ -161,6 +163,63 @@ def test_cotrained_student_and_heads(tiny_smol_teacher, tiny_smol_student, tiny_
     student = load_target(summary["student_dir"], dtype="fp32")
     heads = load_heads_for(student, summary["heads_dir"])  # fingerprinted to the trained student
     assert heads.num_heads == 2 and heads.config.head_kind == head_kind
+
+
+def test_a_cotrained_draft_block_shapes_the_student_and_is_calibrated_on_its_states(
+        tiny_smol_teacher, tiny_smol_student, tiny_data, tmp_path):
+    config = TrainConfig(
+        model=str(tiny_smol_teacher), mode="cotrain", student=str(tiny_smol_student), head_kind="attention",
+        train_data=str(tiny_data / "train"), held_out_data=str(tiny_data / "held"), num_heads=2, epochs=8,
+        batch_size=2, lr=3e-3, num_negatives=256, storage_path=str(tmp_path / "ray"), name="cotrain-block",
+        checkpoint_every=100, out=str(tmp_path / "block"), int2_group_size=None, context_rows=64,
+        bf16_autocast=True,
+    )
+    summary = run_training(config)
+    rows = [r for r in metrics(tmp_path / "ray" / "cotrain-block") if "kd" in r]
+    assert rows[-1]["kd"] < rows[0]["kd"] and rows[-1]["mtp"] < rows[0]["mtp"], rows
+    student = load_target(summary["student_dir"], dtype="fp32")
+    block = load_heads_for(student, summary["heads_dir"])
+    assert block.config.head_kind == "attention" and block.num_heads == 2
+    # Calibrated on the trained student's pass along the teacher's held-out answers.
+    held = list_shards(tmp_path / "block" / "student-held-out")
+    assert held and summary["held_out"]["fp32"]["mean_accepted_len"]["chain"] > 0
+    states = torch.load(held[0], weights_only=True)
+    expected = teacher_forced(student, list(states["prompt_ids"][0]), states["tokens"][: int(states["offsets"][1])]
+                              .tolist(), top_k=8)[0]
+    torch.testing.assert_close(states["hidden"][: int(states["offsets"][1])], expected)
+
+
+def test_the_arms_without_cotraining_train_the_student_alone_then_a_drafter_on_it_frozen(
+        tiny_smol_teacher, tiny_smol_student, tiny_data, tmp_path, monkeypatch):
+    import shutil
+
+    # A student named relative to where the job starts: Ray's workers run elsewhere.
+    shutil.copytree(tiny_smol_student, tmp_path / "student")
+    monkeypatch.chdir(tmp_path)
+    common = dict(model=str(tiny_smol_teacher), mode="cotrain", train_data=str(tiny_data / "train"),
+                  held_out_data=None, num_heads=2, epochs=6, batch_size=2, lr=3e-3, num_negatives=256,
+                  storage_path=str(tmp_path / "ray"), checkpoint_every=100, int2_group_size=None)
+    alone = run_training(TrainConfig(**common, student="student", mtp_weight=0.0, name="alone",
+                                     out=str(tmp_path / "alone")))
+    rows = metrics(tmp_path / "ray" / "alone")
+    assert rows[-1]["kd"] < rows[0]["kd"] and not any("mtp" in r for r in rows), rows
+    assert "heads_dir" not in alone and not (tmp_path / "alone" / "config.json").exists()
+    distilled = alone["student_dir"]
+    frozen = run_training(TrainConfig(**common, student=distilled, freeze_student=True, name="frozen",
+                                      out=str(tmp_path / "frozen")))
+    rows = metrics(tmp_path / "ray" / "frozen")
+    assert rows[-1]["mtp"] < rows[0]["mtp"] and not any("kd" in r for r in rows), rows
+    before = AutoModelForCausalLM.from_pretrained(distilled).state_dict()
+    after = AutoModelForCausalLM.from_pretrained(frozen["student_dir"]).state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before)  # the student did not move
+    load_heads_for(load_target(distilled, dtype="fp32"), frozen["heads_dir"])  # the drafter fits the student
+    for refused, message in [({"mode": "posthoc", "freeze_student": True}, "freeze_student with mode='posthoc'"),
+                             ({"student": "s"}, "student='s' with mode='posthoc'"),
+                             ({"mode": "posthoc", "mtp_weight": 0.0}, "mtp_weight=0.0: must be > 0"),
+                             ({"mode": "cotrain", "student": "s", "freeze_student": True, "mtp_weight": 0.0},
+                              "trains nothing")]:
+        with pytest.raises(TrainConfigError, match=message):
+            TrainConfig(**refused)
 
 
 def test_sequential_heads_train_on_their_own_states_and_the_answers_tokens(tiny_smol_teacher, tiny_data, tmp_path):

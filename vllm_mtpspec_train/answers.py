@@ -91,11 +91,13 @@ def _newer(path: Path, than: Path) -> bool:
 
 def shards_from_answers(model_dir: str | Path, answers_dir: str | Path, out_dir: str | Path, *,
                         top_k: int = 8, max_files: int | None = None, context_rows: int = 0,
-                        feature_layers: list[int] = ()) -> list[Path]:
+                        feature_layers: list[int] = (), answers_by: str | Path | None = None) -> list[Path]:
     """Rebuild the training shard of every answer file (the first max_files only, when set)
     that has none, or an older one (the target is loaded only if there is any); returns the
     shards written. context_rows: how many prompt rows before each answer to keep too;
-    feature_layers: target layers whose input states to keep at every row too."""
+    feature_layers: target layers whose input states to keep at every row too; answers_by:
+    the model folder that wrote the answers, where it is not model_dir (a student's pass
+    along its teacher's answers)."""
     from vllm_mtpspec.checkpoint import model_fingerprint
     from vllm_mtpspec.target import load_target
 
@@ -104,7 +106,7 @@ def shards_from_answers(model_dir: str | Path, answers_dir: str | Path, out_dir:
     if not todo:
         return []
     target = load_target(str(model_dir), dtype="fp32")
-    fingerprint = model_fingerprint(target.model_dir)
+    fingerprint = model_fingerprint(answers_by or target.model_dir)
     vocab_size = target.model.config.vocab_size
     written, done_tokens, started = [], 0, time.perf_counter()
     bar = tqdm(todo, desc="shards from answers", unit="shard")

@@ -19,6 +19,13 @@ class TrainConfigError(ValueError):
     pass
 
 
+def what_trains(mode: str, mtp_weight: float, freeze_student: bool) -> str:
+    """'drafter', 'student' or 'student and drafter': what a run's steps move."""
+    if mode != "cotrain" or freeze_student:
+        return "drafter"
+    return "student and drafter" if mtp_weight else "student"
+
+
 @dataclass(kw_only=True)
 class TrainConfig:
     model: str = "smollm2-135m-instruct"      # the target (post-hoc) or teacher (co-trained)
@@ -40,7 +47,9 @@ class TrainConfig:
     # drafter, post-hoc): each worker runs the frozen target over its share of the
     # train_answers folders and keeps the rows in memory; no shards (vllm_mtpspec_train/online.py).
     data_source: str = "shards"
-    context_rows: int = CONTEXT_ROWS           # an attention block's prompt rows read before each answer
+    # An attention block's prompt rows read before each answer (co-trained: every prompt row
+    # in training, these in the held-out calibration).
+    context_rows: int = CONTEXT_ROWS
     batch_rows: int = 32768                    # online: rows per worker's batch of whole answers, padding included
     record_batch_rows: int = 65536             # online: tokens per pass of the target
     # Heads
@@ -68,7 +77,13 @@ class TrainConfig:
     bf16_autocast: bool = False
     kl_weight: float = 1.0
     depth_loss_decay: float = 1.0              # head i's loss weighs this ** i (see losses.mtp_losses)
-    mtp_weight: float = 1.0                    # lambda in L = L_KD + lambda * sum_i L_MTP(i)
+    mtp_weight: float = 1.0                    # lambda in L = L_KD + lambda * sum_i L_MTP(i); 0: the student alone
+    # cotrain: the student does not train, its drafter trains on its states (L_MTP alone):
+    # the post-hoc drafter of a distilled student, fed the same data as co-training.
+    freeze_student: bool = False
+    # cotrain: the student's layers recompute their activations during backward instead of
+    # keeping them: a long prompt's attention weights no longer fill memory, for more time a step.
+    gradient_checkpointing: bool = False
     seed: int = 0
     # Ray
     num_workers: int = 1
@@ -95,6 +110,22 @@ class TrainConfig:
             raise TrainConfigError(f"mode={self.mode!r}: choose one of {MODES}")
         if self.mode == "cotrain" and not self.student:
             raise TrainConfigError("mode='cotrain' needs 'student': the folder of the model to train with its heads")
+        if self.mode != "cotrain" and self.student:
+            raise TrainConfigError(f"student={self.student!r} with mode={self.mode!r}: post-hoc heads train on the "
+                                   "frozen model; set mode='cotrain' to train a student, or remove 'student'")
+        if self.mode != "cotrain" and self.gradient_checkpointing:
+            raise TrainConfigError(f"gradient_checkpointing with mode={self.mode!r}: it saves a training student's "
+                                   "memory; post-hoc runs train no model. Set mode='cotrain' or remove it")
+        if self.mode != "cotrain" and self.freeze_student:
+            raise TrainConfigError(f"freeze_student with mode={self.mode!r}: it keeps a co-training student frozen; "
+                                   "set mode='cotrain' and 'student', or leave freeze_student false (post-hoc heads "
+                                   "never train the model)")
+        if self.mtp_weight < 0 or (self.mtp_weight == 0 and self.mode != "cotrain"):
+            raise TrainConfigError(f"mtp_weight={self.mtp_weight}: must be > 0 (0 trains a co-training student alone, "
+                                   "mode 'cotrain' only)")
+        if self.freeze_student and self.mtp_weight == 0:
+            raise TrainConfigError("freeze_student with mtp_weight 0 trains nothing: unfreeze the student, or give "
+                                   "the drafter's losses a weight > 0")
         if self.num_heads < 1 or self.batch_size < 1 or self.num_workers < 1:
             raise TrainConfigError("num_heads, batch_size and num_workers must be >= 1")
         from vllm_mtpspec.quant.calibrated import METHODS
@@ -113,9 +144,6 @@ class TrainConfig:
         if self.head_kind not in HEAD_KINDS:
             raise TrainConfigError(f"head_kind={self.head_kind!r}: choose one of {HEAD_KINDS}")
         if self.head_kind == "attention":
-            if self.mode != "posthoc":
-                raise TrainConfigError("head_kind='attention' trains post-hoc on the frozen target's states: "
-                                       "set mode='posthoc'")
             if not self.tied:
                 raise TrainConfigError("head_kind='attention' projects through the target's LM head: set tied=true")
             if self.quantize_aware_steps:

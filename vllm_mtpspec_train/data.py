@@ -50,6 +50,18 @@ def answers_dir_for(out_dir: str | Path, answers_dir: str | Path | None = None) 
     return Path(answers_dir) if answers_dir is not None else Path(out_dir) / "answers"
 
 
+def greedy_engine(model_dir: str | Path, *, dtype: str = "float32", max_model_len: int, kv_cache_bytes: int = 1 << 30,
+                  max_num_seqs: int = 64):
+    """The offline vLLM engine that writes a model's greedy answers."""
+    from vllm import LLM
+
+    # In-process engine: on a 2-core machine a separate engine-core process left the
+    # worker short of CPU (~130 tok/s against ~270 in-process).
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    return LLM(str(model_dir), dtype=dtype, max_model_len=max_model_len, kv_cache_memory_bytes=kv_cache_bytes,
+               max_num_seqs=max_num_seqs, enforce_eager=True, disable_log_stats=True)
+
+
 def generate_answers(
     model_dir: str | Path,
     prompts: list[Prompt],
@@ -65,7 +77,7 @@ def generate_answers(
 ) -> Path:
     """The target's greedy answers, one answer file per shard_size prompts (file i holds
     prompts[i * shard_size:(i + 1) * shard_size]); files already there are kept."""
-    from vllm import LLM, SamplingParams
+    from vllm import SamplingParams
 
     from vllm_mtpspec.checkpoint import model_fingerprint
 
@@ -75,12 +87,8 @@ def generate_answers(
     if not todo:
         logger.info("all %d answer files in %s are done", num_files, out)
         return out
-    # In-process engine: on a 2-core machine a separate engine-core process left the
-    # worker short of CPU (~130 tok/s against ~270 in-process).
-    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-    llm = LLM(str(model_dir), dtype=dtype, max_model_len=max_prompt_tokens + max_new_tokens,
-              kv_cache_memory_bytes=kv_cache_bytes, max_num_seqs=max_num_seqs, enforce_eager=True,
-              disable_log_stats=True)
+    llm = greedy_engine(model_dir, dtype=dtype, max_model_len=max_prompt_tokens + max_new_tokens,
+                        kv_cache_bytes=kv_cache_bytes, max_num_seqs=max_num_seqs)
     tokenizer = llm.get_tokenizer()
     vocab_size = llm.llm_engine.model_config.get_vocab_size()
     fingerprint = model_fingerprint(model_dir)

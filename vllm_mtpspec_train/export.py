@@ -62,6 +62,18 @@ def _export_student(state: dict, student_dir: Path, out: Path) -> Path:
     return out
 
 
+def _student_held_out(config, student_dir: Path, out: Path) -> list[Path]:
+    """Held-out shards for heads that read a student's states: the student's pass along the
+    teacher's held-out answers (the job's held-out shards hold the teacher's states)."""
+    from vllm_mtpspec_train.answers import shards_from_answers
+    from vllm_mtpspec_train.data import answers_dir_for
+
+    shards_from_answers(student_dir, answers_dir_for(config.held_out_data, config.held_out_answers), out,
+                        answers_by=resolve_model(config.model, dtype="fp32"),
+                        context_rows=config.context_rows if config.head_kind == "attention" else 0)
+    return list_shards(out)
+
+
 def calibrate(heads, held_out: list[Path], *, lm_head: torch.Tensor, embed: torch.Tensor) -> dict:
     """Fits one temperature per head and records the rank accuracies (static trees read
     them) on held-out shards, in place; returns the held-out evaluation."""
@@ -85,8 +97,13 @@ def export_heads(config, checkpoint, *, init_dir: Path, model_dir: Path, held_ou
     summary: dict = {"config": config.to_dict()}
     if config.mode == "cotrain":
         model_dir = _export_student(state, model_dir, out / "student")
-        heads.config.base_model_fingerprint = model_fingerprint(model_dir)
         summary["student_dir"] = str(model_dir)
+        if config.mtp_weight == 0:  # the student trained alone: there is no drafter to write
+            if metrics_path.is_file():
+                plot_losses(metrics_path, out / "loss_curves.png")
+            return summary
+        heads.config.base_model_fingerprint = model_fingerprint(model_dir)
+        held_out = _student_held_out(config, model_dir, out / "student-held-out") if held_out else []
     embed, lm_head = embedding_and_lm_head(model_dir)
     if held_out:
         summary["held_out"] = {"fp32": calibrate(heads, held_out, lm_head=lm_head, embed=embed)}

@@ -118,67 +118,123 @@ def _load_shard(path: str) -> dict:
 
 
 class CotrainModule(nn.Module):
-    """A student and its heads on the teacher's answers: L = L_KD + lambda * sum_i L_MTP(i).
-    Batches name answers (shard path, answer index); the student reads prompt + answer."""
+    """A student and its drafter on the teacher's answers: L = L_KD + lambda * sum_i L_MTP(i).
+    Batches name answers (shard path, answer index); the student reads prompt + answer, and
+    the drafter reads the student's states, so the MTP losses shape the student too.
 
-    def __init__(self, student, heads, *, num_negatives: int, kl_weight: float, mtp_weight: float) -> None:
+    The two arms of co-training's comparison use the same module: mtp_weight 0 trains the
+    student alone (the drafter is not run), and freeze_student trains the drafter alone on
+    the frozen student's states (the post-hoc drafter of a distilled student)."""
+
+    def __init__(self, student, heads, *, num_negatives: int, kl_weight: float, mtp_weight: float,
+                 freeze_student: bool = False, depth_decay: float = 1.0) -> None:
         super().__init__()
         self.student, self.heads = student, heads
         self.num_negatives, self.kl_weight, self.mtp_weight = num_negatives, kl_weight, mtp_weight
+        self.freeze_student, self.depth_decay = freeze_student, depth_decay
+        if freeze_student:
+            self.student.eval().requires_grad_(False)
+        if mtp_weight == 0:  # not run, so not trained (nor counted by data-parallel gradient sync)
+            self.heads.requires_grad_(False)
 
     def trainable_parameters(self):
         return [p for p in self.parameters() if p.requires_grad]
 
     def forward(self, batch: dict, generator=None):
         device = next(self.student.parameters()).device
-        k = self.heads.num_heads
-        seqs, rows, row_answer = [], [], []
-        targets, t_ids, t_lp, kd_ids, kd_lp, tokens = [], [], [], [], [], []
-        for path, j in zip(batch["path"], batch["answer"]):
-            shard = _load_shard(str(path))
-            j = int(j)
-            start, end = int(shard["offsets"][j]), int(shard["offsets"][j + 1])
-            prompt = list(shard["prompt_ids"][j])
-            answer = shard["tokens"][start:end].long()
-            seqs.append(torch.tensor(prompt + answer.tolist()))
-            # Answer row r is predicted from sequence position len(prompt) + r - 1.
-            rows.append(torch.arange(end - start) + len(prompt) - 1)
-            one = {"offsets": torch.tensor([0, end - start]), "tokens": shard["tokens"][start:end],
-                   "topk_ids": shard["topk_ids"][start:end], "topk_logprobs": shard["topk_logprobs"][start:end],
-                   "hidden": torch.zeros(end - start, 1)}
-            ex = shard_examples(one, k)
-            keep = torch.from_numpy(ex["position"])
-            row_answer.append(torch.full((len(keep),), len(seqs) - 1))
-            rows[-1] = rows[-1][keep]
-            targets.append(torch.from_numpy(ex["targets"]))
-            t_ids.append(torch.from_numpy(ex["teacher_ids"]))
-            t_lp.append(torch.from_numpy(ex["teacher_logprobs"]))
-            tokens.append(answer[keep])
-            kd_ids.append(shard["topk_ids"][start:end][keep])
-            kd_lp.append(shard["topk_logprobs"][start:end][keep])
-        length = max(s.numel() for s in seqs)
-        input_ids = torch.zeros(len(seqs), length, dtype=torch.long)
-        mask = torch.zeros(len(seqs), length, dtype=torch.long)
-        for b, s in enumerate(seqs):
-            input_ids[b, : s.numel()], mask[b, : s.numel()] = s, 1
-        out = self.student.model(input_ids=input_ids.to(device), attention_mask=mask.to(device))
-        row_b = torch.cat(row_answer).to(device)
-        row_p = torch.cat(rows).to(device)
-        hidden = out.last_hidden_state[row_b, row_p]                           # [R, d]
+        answers = _cotrain_answers(batch, self.heads.num_heads)
+        with torch.set_grad_enabled(torch.is_grad_enabled() and not self.freeze_student):
+            out = self.student.model(input_ids=answers["input_ids"].to(device),
+                                     attention_mask=answers["mask"].to(device))
+        states = out.last_hidden_state                                         # [B, T, d]
+        row_b, row_p = answers["row_b"].to(device), answers["row_p"].to(device)
+        hidden = states[row_b, row_p]                                          # [R, d]: answer rows
         lm_head = self.student.get_output_embeddings()
-        student_logits = lm_head(hidden)                                       # [R, V]
-        kd = kd_loss(student_logits, torch.cat(kd_ids).to(device), torch.cat(kd_lp).float().to(device),
-                     torch.ones(hidden.shape[0], dtype=torch.bool, device=device))
-        embed = self.student.get_input_embeddings()
-        embeds = None
-        if self.heads.config.head_kind == "sequential":
-            embeds = embed(example_chain_tokens(torch.cat(tokens), torch.cat(targets), k).to(device))
-        elif self.heads.config.token_conditioned:
-            embeds = embed(torch.cat(tokens).to(device))
-        head_hidden = self.heads.hidden(hidden, embeds)
-        projection = lm_head.weight if self.heads.proj is None else [p.weight for p in self.heads.proj]
-        losses = mtp_losses(head_hidden, projection, torch.cat(targets).to(device), torch.cat(t_ids).to(device),
-                            torch.cat(t_lp).to(device), num_negatives=self.num_negatives, kl_weight=self.kl_weight,
-                            generator=generator)
-        total = kd + self.mtp_weight * losses.total
-        return total, {"loss": total.item(), "kd": kd.item(), "mtp": losses.total.item(), **_head_metrics(losses)}
+        metrics, total = {}, torch.zeros((), device=device)
+        if not self.freeze_student:
+            kd = kd_loss(lm_head(hidden), answers["kd_ids"].to(device), answers["kd_logprobs"].float().to(device),
+                         torch.ones(hidden.shape[0], dtype=torch.bool, device=device))
+            total, metrics["kd"] = total + kd, kd.item()
+        if self.mtp_weight:
+            embed = self.student.get_input_embeddings().weight
+            if self.heads.config.head_kind == "attention":
+                query_rows = answers["query_rows"].to(device)
+                drafted = self._block_states(states, answers, embed, query_rows)[row_b, answers["row_q"].to(device)]
+                projection = lm_head.weight
+            else:
+                drafted = self.heads.hidden(hidden, self._head_token_embeds(answers, embed))
+                projection = lm_head.weight if self.heads.proj is None else [p.weight for p in self.heads.proj]
+            losses = mtp_losses(drafted, projection, answers["targets"].to(device),
+                                answers["teacher_ids"].to(device), answers["teacher_logprobs"].to(device),
+                                num_negatives=self.num_negatives, kl_weight=self.kl_weight,
+                                depth_decay=self.depth_decay, generator=generator)
+            total = total + self.mtp_weight * losses.total
+            metrics.update(mtp=losses.total.item(), **_head_metrics(losses))
+        return total, {"loss": total.item(), **metrics}
+
+    def _head_token_embeds(self, answers: dict, embed: torch.Tensor):
+        device = embed.device
+        if self.heads.config.head_kind == "sequential":  # each depth reads the answer's token before it
+            return embed[example_chain_tokens(answers["tokens"], answers["targets"], self.heads.num_heads).to(device)]
+        if self.heads.config.token_conditioned:
+            return embed[answers["tokens"].to(device)]
+        return None
+
+    def _block_states(self, states: torch.Tensor, answers: dict, embed: torch.Tensor,
+                      query_rows: torch.Tensor) -> torch.Tensor:
+        """The draft block's chains at the answer rows (query_rows [B, Q]): [B, Q, k, d].
+        Row p is position p of prompt + answer, the state that predicts token p + 1; the
+        block reads the whole prompt before the answer, as its cache holds it when drafting,
+        but runs chains from the answer rows only (every row's would hold [B, T, T] scores
+        per depth for backward: gigabytes for a long prompt)."""
+        device, k = states.device, self.heads.num_heads
+        input_ids, mask = answers["input_ids"].to(device), answers["mask"].to(device)
+        t = states.shape[1] - 1
+        tokens = torch.nn.functional.pad(input_ids[:, 1:], (0, k - 1))  # depth j reads s_{p+j}; 0 past the end
+        token_embeds = [embed[tokens[:, i:i + t]] for i in range(k)]
+        positions = torch.arange(t, device=device).expand(states.shape[0], t)
+        return torch.stack(self.heads.unrolled(states[:, :-1], token_embeds, positions, mask[:, 1:].bool(),
+                                               query_rows=query_rows), 2)
+
+
+def _cotrain_answers(batch: dict, num_heads: int) -> dict[str, torch.Tensor]:
+    """The batch's answers as the student reads them: prompt + answer right-padded
+    (input_ids, mask [B, T]), and at each answer row with all its depths' targets (the
+    rows shard_examples keeps) its place (row_b, row_p: the position that predicts it;
+    row_q: its place in query_rows [B, Q], its answer's row_p padded), its token, targets
+    and the teacher's top-k there."""
+    seqs, row_b, row_p, row_q = [], [], [], []
+    columns: dict[str, list] = {key: [] for key in ("tokens", "targets", "teacher_ids", "teacher_logprobs", "kd_ids",
+                                                   "kd_logprobs")}
+    for path, j in zip(batch["path"], batch["answer"]):
+        shard = _load_shard(str(path))
+        j = int(j)
+        start, end = int(shard["offsets"][j]), int(shard["offsets"][j + 1])
+        prompt = list(shard["prompt_ids"][j])
+        answer = shard["tokens"][start:end].long()
+        one = {"offsets": torch.tensor([0, end - start]), "tokens": shard["tokens"][start:end],
+               "topk_ids": shard["topk_ids"][start:end], "topk_logprobs": shard["topk_logprobs"][start:end],
+               "hidden": torch.zeros(end - start, 1)}
+        ex = shard_examples(one, num_heads)
+        keep = torch.from_numpy(ex["position"])
+        row_b.append(torch.full((len(keep),), len(seqs)))
+        row_p.append(keep + len(prompt) - 1)  # answer row r is predicted from position len(prompt) + r - 1
+        row_q.append(torch.arange(len(keep)))
+        seqs.append(torch.tensor(prompt + answer.tolist()))
+        columns["tokens"].append(answer[keep])
+        columns["targets"].append(torch.from_numpy(ex["targets"]))
+        columns["teacher_ids"].append(torch.from_numpy(ex["teacher_ids"]))
+        # Log-probabilities in fp32: shards keep fp16, which autocast's cat refuses to mix.
+        columns["teacher_logprobs"].append(torch.from_numpy(ex["teacher_logprobs"]).float())
+        columns["kd_ids"].append(one["topk_ids"][keep])
+        columns["kd_logprobs"].append(one["topk_logprobs"][keep].float())
+    length = max(s.numel() for s in seqs)
+    input_ids = torch.zeros(len(seqs), length, dtype=torch.long)
+    mask = torch.zeros(len(seqs), length, dtype=torch.long)
+    query_rows = torch.zeros(len(seqs), max(len(q) for q in row_q), dtype=torch.long)
+    for b, s in enumerate(seqs):
+        input_ids[b, : s.numel()], mask[b, : s.numel()] = s, 1
+        query_rows[b, : len(row_q[b])] = row_p[b]
+    return {"input_ids": input_ids, "mask": mask, "row_b": torch.cat(row_b), "row_p": torch.cat(row_p),
+            "row_q": torch.cat(row_q), "query_rows": query_rows,
+            **{key: torch.cat(value) for key, value in columns.items()}}

@@ -28,7 +28,7 @@ from vllm_mtpspec.answers import list_answer_files
 from vllm_mtpspec.models import resolve_model
 from vllm_mtpspec.shards import ShardsError, has_context_rows, layer_columns, list_shards
 from vllm_mtpspec.sharegpt import is_held_out
-from vllm_mtpspec_train.config import TrainConfig, TrainConfigError
+from vllm_mtpspec_train.config import TrainConfig, TrainConfigError, what_trains
 from vllm_mtpspec_train.examples import shard_examples
 from vllm_mtpspec_train.prompts import load_prompt_source
 
@@ -89,8 +89,12 @@ def _build_module(loop_config: dict):
         from transformers import AutoModelForCausalLM
 
         student = AutoModelForCausalLM.from_pretrained(loop_config["student"], dtype=torch.float32)
+        if loop_config["gradient_checkpointing"]:
+            student.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         return CotrainModule(student.train(), heads, num_negatives=loop_config["num_negatives"],
-                             kl_weight=loop_config["kl_weight"], mtp_weight=loop_config["mtp_weight"])
+                             kl_weight=loop_config["kl_weight"], mtp_weight=loop_config["mtp_weight"],
+                             freeze_student=loop_config["freeze_student"],
+                             depth_decay=loop_config["depth_loss_decay"])
     from vllm_mtpspec.weights import embedding_and_lm_head
 
     embed, lm_head = embedding_and_lm_head(loop_config["model_dir"])
@@ -168,7 +172,8 @@ def train_loop_per_worker(loop_config: dict, worker=None) -> None:
                                                num_heads=raw.heads.num_heads)
     else:
         epoch_batches, epochs = _shard_epochs(loop_config, worker)
-    bar = tqdm(total=total_steps, initial=step, desc="training heads", disable=rank != 0, mininterval=5)
+    trains = what_trains(loop_config["mode"], loop_config["mtp_weight"], loop_config["freeze_student"])
+    bar = tqdm(total=total_steps, initial=step, desc=f"training the {trains}", disable=rank != 0, mininterval=5)
     generator = torch.Generator()
     autocast_device = "cuda" if loop_config["use_gpu"] else "cpu"
     metrics = {"step": step, "epoch": start_epoch}
@@ -222,7 +227,8 @@ def ensure_data(config: TrainConfig, model_dir: Path) -> tuple[list[Path], list[
     from vllm_mtpspec_train.answers import shards_from_answers
     from vllm_mtpspec_train.data import answers_dir_for, generate_self_distillation
 
-    context_rows = config.context_rows if config.head_kind == "attention" else 0
+    # A co-trained block reads the student's states, not the recorded ones.
+    context_rows = config.context_rows if config.head_kind == "attention" and config.mode == "posthoc" else 0
     if config.data_source == "online":
         # The workers read the training answers themselves; only the held-out shards, which
         # export calibrates the temperatures on, are built here.
@@ -395,7 +401,7 @@ def _shard_dataset(config: TrainConfig, train_shards: list[Path], held_shards: l
 
     offsets = [torch.load(p, weights_only=True, mmap=True)["offsets"] for p in train_shards]  # reads no states
     num_rows = sum(int(o[-1]) for o in offsets)
-    if config.head_kind == "attention":
+    if config.head_kind == "attention" and config.mode == "posthoc":
         _require_context_rows(train_shards + held_shards, config)
     if config.mode == "cotrain" or config.head_kind == "attention":
         # Items are answers: the student, or the draft block, reads each in full.
@@ -464,6 +470,8 @@ def run_training(config: TrainConfig) -> dict:
         "metrics_path": str(metrics_path),
         "threads_per_worker": max(1, (os.cpu_count() or 1) // config.num_workers),
     }
+    if config.mode == "cotrain":  # absolute: Ray Train's workers do not run in the driver's working directory
+        loop_config["student"] = str(heads_base.absolute())
     if config.data_source == "online":
         datasets, total_steps, data_summary = {}, config.max_steps, _online_answers(config, model_dir)
         # Absolute: Ray Train's workers do not run in the driver's working directory.
