@@ -56,7 +56,9 @@ def _export_student(state: dict, student_dir: Path, out: Path) -> Path:
     student = AutoModelForCausalLM.from_pretrained(str(student_dir), dtype=torch.float32)
     student.load_state_dict({k.removeprefix("student."): v for k, v in state["model"].items() if k.startswith("student.")})
     student.save_pretrained(str(out))
-    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json"):
+    from vllm_mtpspec_train.student import TOKENIZER_FILES
+
+    for name in TOKENIZER_FILES:
         if (student_dir / name).is_file():
             shutil.copy(student_dir / name, out / name)
     return out

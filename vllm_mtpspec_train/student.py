@@ -24,6 +24,7 @@ import torch
 from vllm_mtpspec.models import resolve_model
 
 logger = logging.getLogger("mtpspec.student")
+# What a model folder holds beside its weights and config, copied into every student folder.
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json",
                    "vocab.json", "merges.txt")
 
