@@ -8,7 +8,7 @@
         --work-dir runs/cotrain/eval --json benchmarks/results/cotrain_arms.json --markdown benchmarks/results/cotrain_arms.md
 
 Each arm is LABEL=STUDENT[,DRAFTER]; each held-out set LABEL=ANSWERS:TEACHER_SHARDS, the
-teacher's answers and its pass along them (python -m vllm_mtpspec_train.answers' shards).
+teacher's answers and the folder of its pass along them (written here where it is missing).
 Per arm and set:
 - the student: top-1 agreement with the teacher and the KD loss the job trains (KL of the
   teacher's top-8 from the student), along the teacher's held-out answers;
@@ -28,6 +28,7 @@ import torch
 from vllm_mtpspec.answers import answers_path, list_answer_files, read_answers, write_answers
 from vllm_mtpspec.bench.stamp import describe, stamp
 from vllm_mtpspec.checkpoint import load_heads, model_fingerprint
+from vllm_mtpspec.models import resolve_model
 from vllm_mtpspec.shards import list_shards
 from vllm_mtpspec.target import load_target
 from vllm_mtpspec.weights import embedding_and_lm_head
@@ -102,6 +103,7 @@ def main() -> None:
     parser.add_argument("--arm", action="append", type=labelled, required=True, metavar="LABEL=STUDENT[,DRAFTER]")
     parser.add_argument("--held-out", action="append", type=labelled, required=True,
                         metavar="LABEL=ANSWERS:TEACHER_SHARDS")
+    parser.add_argument("--teacher", default="smollm2-135m-instruct", help="the model that wrote the held-out answers")
     parser.add_argument("--work-dir", required=True, help="the students' answers and shards are written here")
     parser.add_argument("--max-new-tokens", type=int, default=128, help="of the students' greedy answers")
     parser.add_argument("--context-rows", type=int, default=512)
@@ -113,8 +115,9 @@ def main() -> None:
     sets = []
     for label, value in args.held_out:
         answers, sep, shards = value.partition(":")
-        if not sep or not list_shards(shards) or not list_answer_files(answers):
-            parser.error(f"--held-out {label}: {value!r} is not ANSWERS:TEACHER_SHARDS with answer files and shards")
+        if not sep or not shards or not list_answer_files(answers):
+            parser.error(f"--held-out {label}: {value!r} is not ANSWERS:TEACHER_SHARDS with answer files in ANSWERS")
+        shards_from_answers(resolve_model(args.teacher, dtype="fp32"), answers, shards)  # the teacher's top-8
         sets.append((label, answers, list_shards(shards)))
     results = {"stamp": stamp(), "max_new_tokens": args.max_new_tokens, "arms": {}}
     qualities: dict[tuple[str, str], dict] = {}

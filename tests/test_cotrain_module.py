@@ -31,7 +31,7 @@ def test_block_chains_from_the_answer_rows_equal_those_run_from_every_row(tiny_s
     with torch.no_grad():
         states = student.model(input_ids=laid["input_ids"], attention_mask=laid["mask"]).last_hidden_state
         embed = student.get_input_embeddings().weight
-        picked = module._block_states(states, laid, embed, laid["query_rows"])[laid["row_b"], laid["row_q"]]
+        picked = module._block_states(states, laid, embed)[laid["row_b"], laid["row_q"]]
         t = states.shape[1] - 1
         tokens = torch.nn.functional.pad(laid["input_ids"][:, 1:], (0, block.num_heads - 1))
         every_row = torch.stack(block.unrolled(states[:, :-1], [embed[tokens[:, i:i + t]] for i in range(3)],

@@ -169,7 +169,8 @@ def test_a_cotrained_draft_block_shapes_the_student_and_is_calibrated_on_its_sta
         tiny_smol_teacher, tiny_smol_student, tiny_data, tmp_path):
     config = TrainConfig(
         model=str(tiny_smol_teacher), mode="cotrain", student=str(tiny_smol_student), head_kind="attention",
-        train_data=str(tiny_data / "train"), held_out_data=str(tiny_data / "held"), num_heads=2, epochs=8,
+        train_data=str(tiny_data / "train"), held_out_data=str(tmp_path / "teacher-held-out"),
+        held_out_answers=str(tiny_data / "held" / "answers"), num_heads=2, epochs=8,
         batch_size=2, lr=3e-3, num_negatives=256, storage_path=str(tmp_path / "ray"), name="cotrain-block",
         checkpoint_every=100, out=str(tmp_path / "block"), int2_group_size=None, context_rows=64,
         bf16_autocast=True,
@@ -180,7 +181,9 @@ def test_a_cotrained_draft_block_shapes_the_student_and_is_calibrated_on_its_sta
     student = load_target(summary["student_dir"], dtype="fp32")
     block = load_heads_for(student, summary["heads_dir"])
     assert block.config.head_kind == "attention" and block.num_heads == 2
-    # Calibrated on the trained student's pass along the teacher's held-out answers.
+    # Calibrated on the trained student's pass along the teacher's held-out answers; the
+    # teacher's own states along them are never needed, so never computed.
+    assert not list_shards(tmp_path / "teacher-held-out")
     held = list_shards(tmp_path / "block" / "student-held-out")
     assert held and summary["held_out"]["fp32"]["mean_accepted_len"]["chain"] > 0
     states = torch.load(held[0], weights_only=True)

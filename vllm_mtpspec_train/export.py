@@ -105,7 +105,7 @@ def export_heads(config, checkpoint, *, init_dir: Path, model_dir: Path, held_ou
                 plot_losses(metrics_path, out / "loss_curves.png")
             return summary
         heads.config.base_model_fingerprint = model_fingerprint(model_dir)
-        held_out = _student_held_out(config, model_dir, out / "student-held-out") if held_out else []
+        held_out = _student_held_out(config, model_dir, out / "student-held-out") if config.held_out_data else []
     embed, lm_head = embedding_and_lm_head(model_dir)
     if held_out:
         summary["held_out"] = {"fp32": calibrate(heads, held_out, lm_head=lm_head, embed=embed)}

@@ -158,8 +158,7 @@ class CotrainModule(nn.Module):
         if self.mtp_weight:
             embed = self.student.get_input_embeddings().weight
             if self.heads.config.head_kind == "attention":
-                query_rows = answers["query_rows"].to(device)
-                drafted = self._block_states(states, answers, embed, query_rows)[row_b, answers["row_q"].to(device)]
+                drafted = self._block_states(states, answers, embed)[row_b, answers["row_q"].to(device)]
                 projection = lm_head.weight
             else:
                 drafted = self.heads.hidden(hidden, self._head_token_embeds(answers, embed))
@@ -180,9 +179,8 @@ class CotrainModule(nn.Module):
             return embed[answers["tokens"].to(device)]
         return None
 
-    def _block_states(self, states: torch.Tensor, answers: dict, embed: torch.Tensor,
-                      query_rows: torch.Tensor) -> torch.Tensor:
-        """The draft block's chains at the answer rows (query_rows [B, Q]): [B, Q, k, d].
+    def _block_states(self, states: torch.Tensor, answers: dict, embed: torch.Tensor) -> torch.Tensor:
+        """The draft block's chains at the answer rows (answers["query_rows"] [B, Q]): [B, Q, k, d].
         Row p is position p of prompt + answer, the state that predicts token p + 1; the
         block reads the whole prompt before the answer, as its cache holds it when drafting,
         but runs chains from the answer rows only (every row's would hold [B, T, T] scores
@@ -194,7 +192,7 @@ class CotrainModule(nn.Module):
         token_embeds = [embed[tokens[:, i:i + t]] for i in range(k)]
         positions = torch.arange(t, device=device).expand(states.shape[0], t)
         return torch.stack(self.heads.unrolled(states[:, :-1], token_embeds, positions, mask[:, 1:].bool(),
-                                               query_rows=query_rows), 2)
+                                               query_rows=answers["query_rows"].to(device)), 2)
 
 
 def _cotrain_answers(batch: dict, num_heads: int) -> dict[str, torch.Tensor]:

@@ -239,7 +239,10 @@ def ensure_data(config: TrainConfig, model_dir: Path) -> tuple[list[Path], list[
         return [], list_shards(config.held_out_data)
     shares = _shares_of_sources(config)
     splits = [(data, answers, False) for data, answers in config.train_sources]
-    if config.held_out_data:
+    # A co-trained drafter is calibrated on the student's states along the held-out answers
+    # (export.py): the teacher's pass over them is run only where it writes those answers.
+    teacher_held_out = config.held_out_data and (config.mode == "posthoc" or config.prompts)
+    if teacher_held_out:
         splits.append((config.held_out_data, config.held_out_answers, True))
     if config.prompts:
         prompts = load_prompt_source(config.prompts)
@@ -259,7 +262,7 @@ def ensure_data(config: TrainConfig, model_dir: Path) -> tuple[list[Path], list[
                                 context_rows=context_rows,
                                 feature_layers=config.feature_layers)
     found = [list_shards(data) for data, _ in config.train_sources]
-    held_shards = list_shards(config.held_out_data) if config.held_out_data else []
+    held_shards = list_shards(config.held_out_data) if config.held_out_data and config.mode == "posthoc" else []
     for (data, _), shards in zip(config.train_sources, found):
         if not shards:
             raise TrainConfigError(
