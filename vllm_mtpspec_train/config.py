@@ -35,6 +35,9 @@ class TrainConfig:
     # generated from `prompts` where they do not (answers default to <data folder>/answers).
     # Several sources train together: train_data (and train_answers) as lists, paired in
     # order; their shards are interleaved so that every stretch of training sees each.
+    # Co-trained, the drafter is calibrated on the student's pass along the held-out answers
+    # (OUT/student-held-out): held_out_data then names where those answers lie and where
+    # `prompts` has the teacher write them; the job reads no shards from it.
     train_data: str | list[str] = "runs/sharegpt-sd/train"
     held_out_data: str | None = "runs/sharegpt-sd/held-out"
     train_answers: str | list[str] | None = None
