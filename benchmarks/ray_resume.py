@@ -17,11 +17,11 @@ from pathlib import Path
 
 from vllm_mtpspec.bench.stamp import describe, stamp
 from vllm_mtpspec_train.config import TrainConfig
-from vllm_mtpspec_train.train import run_training
+from vllm_mtpspec_train.train import METRICS_FILE, run_training
 
 
 def _rows(run_dir: Path) -> list[dict]:
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [json.loads(line) for line in (run_dir / METRICS_FILE).read_text().splitlines()]
 
 
 def main() -> None:
