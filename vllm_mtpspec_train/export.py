@@ -43,8 +43,20 @@ def plot_losses(metrics_path: Path, out_png: Path) -> None:
     ax.legend(fontsize=8)
     ax.grid(alpha=0.3)
     fig.tight_layout()
-    fig.savefig(out_png, dpi=120)
+    _save_png_with_palette(fig, out_png)
     plt.close(fig)
+
+
+def _save_png_with_palette(fig, out_png: Path) -> None:
+    """A line plot has a few dozen colours; as a 256-colour palette PNG it is a third of the
+    RGBA size, which matters for a plot that ships inside the repository."""
+    import io
+
+    from PIL import Image
+
+    buffer = io.BytesIO()
+    fig.savefig(buffer, format="png", dpi=120)
+    Image.open(buffer).convert("RGB").quantize(256).save(out_png, optimize=True)
 
 
 def _export_student(state: dict, student_dir: Path, out: Path) -> Path:
