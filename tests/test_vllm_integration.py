@@ -808,3 +808,17 @@ def test_the_draft_dtype_changes_the_drafts_never_the_output(model_dir, heads_di
                          "int8": "torch.float32 int8=True"}[draft_dtype]]
     assert outputs == baseline
     assert metrics["vllm:spec_decode_num_accepted_tokens"] > 0
+
+
+def test_the_shipped_block_drafts_over_the_whole_vocabulary_when_asked_and_keeps_greedy_output(
+        model_dir, heads_dir, baseline):
+    """draft_vocab='full' (a GPU's default) drops the shipped block's 8,192-token draft
+    vocabulary at load; its guesses then range over every token and are still verified."""
+    llm = build(model_dir, speculative_config={"method": "mtpspec", "model": str(heads_dir), "num_speculative_tokens": 3,
+                                               "prompt_lookup_max": 0, "draft_vocab": "full"})
+    outputs, metrics = greedy(llm), spec_metrics(llm)
+    among = llm.collective_rpc(lambda worker: worker.model_runner.drafter.heads.config.draft_vocab_size)
+    close(llm)
+    assert among == [0]
+    assert outputs == baseline
+    assert metrics["vllm:spec_decode_num_accepted_tokens"] > 0

@@ -40,6 +40,11 @@ RETIRED_OPTIONS = {
 # vocabulary's rows in INT8 on the CPU, the rest in fp32: quant/int8_dynamic.py). Only the
 # drafts depend on it: the target verifies them in its own dtype, so the output does not.
 DRAFT_DTYPES = ("auto", "model", "bfloat16", "float16", "float32", "int8")
+# Which tokens heads that carry a draft vocabulary (draft_vocab.py) draft among: "auto" (the
+# platform's choice, platform_defaults.drafts_whole_vocabulary), "heads" (their draft
+# vocabulary) or "full" (the target's whole vocabulary, through its LM head). Only which
+# tokens are guessed depends on it: the target verifies every guess.
+DRAFT_VOCABS = ("auto", "heads", "full")
 
 
 class ConfigError(ValueError):
@@ -285,6 +290,9 @@ class SpecOptions:
     # fp32 model's heads drafted 3-4x faster in bf16 (benchmarks/RESULTS.md); "int8" reads
     # a quarter of fp32's bytes, and is `auto`'s choice on CPUs without native bf16.
     draft_dtype: str = "auto"
+    # For heads with a draft vocabulary (DRAFT_VOCABS): its few thousand rows make a CPU's
+    # draft step several times cheaper, the whole vocabulary keeps more tokens a step.
+    draft_vocab: str = "auto"
     # A draft block only: MiB of the entries of requests that left, kept for later requests
     # that begin with the same tokens (vllm/context_store.py), so that a prompt served from
     # vLLM's prefix cache (a chat's earlier turns) drafts from its whole context. They live
@@ -316,6 +324,8 @@ class SpecOptions:
                               "tree='chain', or draft_size='fixed' for trees")
         if self.draft_dtype not in DRAFT_DTYPES:
             raise ConfigError(f"draft_dtype={self.draft_dtype!r}: choose one of {DRAFT_DTYPES}")
+        if self.draft_vocab not in DRAFT_VOCABS:
+            raise ConfigError(f"draft_vocab={self.draft_vocab!r}: choose one of {DRAFT_VOCABS}")
         if self.context_store_mb is not None and (isinstance(self.context_store_mb, bool) or
                                                   not isinstance(self.context_store_mb, int) or
                                                   self.context_store_mb < 0):

@@ -74,13 +74,18 @@ class DraftModule(nn.Module):
         """[..., k, N] logits over the heads' vocabulary -> [..., k, V] over the target's."""
         return to_target_vocab(logits, self.draft_vocab, self.config.vocab_size)
 
-    def with_draft_vocab(self, draft_token_ids: torch.Tensor) -> "DraftModule":
-        """A copy of these (tied) heads that drafts among draft_token_ids only."""
-        config = HeadsConfig.from_dict({**self.config.to_dict(), "draft_vocab_size": len(draft_token_ids)})
+    def with_draft_vocab(self, draft_token_ids: torch.Tensor | None) -> "DraftModule":
+        """A copy of these (tied) heads that drafts among draft_token_ids only (None: over the
+        whole vocabulary; a draft vocabulary selects LM-head rows and changes no weight)."""
+        size = 0 if draft_token_ids is None else len(draft_token_ids)
+        config = HeadsConfig.from_dict({**self.config.to_dict(), "draft_vocab_size": size})
         out = type(self)(config)
         state = {k: v for k, v in self.state_dict().items() if k != "draft_token_ids"}
+        if draft_token_ids is not None:
+            state["draft_token_ids"] = draft_token_ids.to(torch.int64)
         # assign: the copy keeps these heads' tensors and their dtypes (fp16 storage, INT2 codes).
-        out.load_state_dict({**state, "draft_token_ids": draft_token_ids.to(torch.int64)}, assign=True)
+        out.load_state_dict(state, assign=True)
+        out.temperatures = self.temperatures  # not in the state dict: keep it on these heads' device
         return out.train(self.training)
 
     def _new_linear(self, n_in: int, n_out: int, *, bias: bool) -> nn.Module:

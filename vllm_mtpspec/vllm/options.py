@@ -96,4 +96,8 @@ def check_against_model(
                             vocab_size=vocab_size, fingerprint=fingerprint, num_layers=num_layers)
     k = num_speculative_tokens or options.num_speculative_tokens
     SpecOptions(num_speculative_tokens=k).depth_for(config, source="speculative config")
+    if options.draft_vocab == "heads" and not config.draft_vocab_size:
+        raise ConfigError(f"{options.heads}/config.json: draft_vocab='heads' was asked, and these heads carry no "
+                          "draft vocabulary (draft_vocab_size 0): build one with `mtpspec heads draft-vocab`, "
+                          "or leave draft_vocab out")
     return config

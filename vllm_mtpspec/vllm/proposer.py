@@ -54,6 +54,7 @@ from vllm_mtpspec.vllm.platform_defaults import (
     default_backoff_start,
     default_draft_size,
     draft_dtype,
+    drafts_whole_vocabulary,
     int8_drafting,
     platform_blocker,
     sampled_chains_verifier,
@@ -175,6 +176,8 @@ class MTPSpecProposer:
         self.draft_dtype = draft_dtype(self.options.draft_dtype, self.dtype,
                                        quantized=self.heads_config.quantization is not None)
         self.heads = load_heads(self.options.heads, device=self.device, dtype=self.draft_dtype)
+        if self.heads.draft_vocab is not None and drafts_whole_vocabulary(self.options.draft_vocab):
+            self.heads = self.heads.with_draft_vocab(None)
         if self.int8_drafts:
             int8_linears(self.heads)
         self._temperatures = self.heads.temperatures.to(self.device)
