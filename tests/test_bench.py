@@ -449,3 +449,27 @@ def test_the_held_out_sources_are_bench_prompts_by_name():
     prompts = load_bench_prompts("gsm8k,chitchat", 4)
     assert [p.category for p in prompts] == ["gsm8k", "chitchat"] * 2
     assert all(p.history for p in prompts if p.category == "chitchat")
+
+
+@pytest.mark.parametrize("flag, ignore_eos, lengths", [([], True, "8 new tokens each"),
+                                                       (["--stop-at-eos"], False, "up to 8 new tokens each, to the end")])
+def test_stop_at_eos_lets_requests_end_where_their_answers_do(tmp_path, monkeypatch, flag, ignore_eos, lengths):
+    from vllm_mtpspec.bench import runner
+    from vllm_mtpspec.bench.runner import Tally
+    from vllm_mtpspec.cli import main
+
+    asked = {}
+
+    def no_engines(methods, prompts, **kwargs):
+        asked.update(kwargs)
+        return {(m.name, 1, 0.0): Tally() for m in methods}
+
+    monkeypatch.setattr(runner, "run_benchmark", no_engines)
+    out = tmp_path / "bench"
+    main(["bench", "--prompts", "humaneval",
+          "--num-prompts", "1", "--methods", "none", "--batch-sizes", "1", "--temperatures", "0",
+          "--max-new-tokens", "8", "--work-dir", str(tmp_path), "--json", f"{out}.json", "--markdown", f"{out}.md",
+          *flag])
+    assert asked["ignore_eos"] is ignore_eos
+    assert json.loads((tmp_path / "bench.json").read_text())["stop_at_eos"] is not ignore_eos
+    assert lengths in (tmp_path / "bench.md").read_text()

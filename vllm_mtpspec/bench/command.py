@@ -78,6 +78,11 @@ def add_parser(sub) -> None:
     p.add_argument("--batch-sizes", default="1,4,16,64")
     p.add_argument("--temperatures", default="0,0.7", help="0 is greedy")
     p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--stop-at-eos", action="store_true",
+                   help="let each request end at its end of sequence, as a user's answer does, instead of decoding "
+                        "exactly --max-new-tokens past it (the default, like for like also when sampling). Greedy "
+                        "outputs are identical, so every method still decodes the same tokens. What a model writes "
+                        "past its end of sequence is no answer anyone reads, and drafters keep other figures there")
     p.add_argument("--max-prompt-tokens", type=int, default=512, help="longer prompts are cut (from the left)")
     p.add_argument("--rounds", type=int, default=1, help="repeat every batch this many times, rotating methods")
     p.add_argument("--spec-tokens", type=int, default=3, help="draft length of ngram, suffix and draft")
@@ -161,7 +166,7 @@ def run(args) -> int:
     started = time.time()
     tallies = run_benchmark(methods, prompts, model=model, batch_sizes=batch_sizes, temperatures=temperatures,
                             max_new_tokens=args.max_new_tokens, rounds=args.rounds, engine=engine,
-                            log_dir=work_dir / "logs")
+                            log_dir=work_dir / "logs", ignore_eos=not args.stop_at_eos)
     rows = summarize(methods, tallies)
     memory = []
     for heads in heads_dirs:
@@ -171,8 +176,10 @@ def run(args) -> int:
     run_stamp = stamp()
     machine = describe(run_stamp)
     engines = sum(m.unavailable is None for m in methods)
+    lengths = (f"up to {args.max_new_tokens} new tokens each, to the end of sequence" if args.stop_at_eos
+               else f"{args.max_new_tokens} new tokens each")
     header = (f"## mtpspec bench: {Path(model).name}, {len(prompts)} prompts ({args.prompts}), "
-              f"{args.max_new_tokens} new tokens each\n\n{machine}; {engines} engines, each paused while another "
+              f"{lengths}\n\n{machine}; {engines} engines, each paused while another "
               f"is timed; run took {time.time() - started:.0f} s\n\n`{run_stamp['command']}`")
     table = markdown(rows, methods, memory, header)
     print("\n" + table)
@@ -183,7 +190,8 @@ def run(args) -> int:
     if args.json:
         save_json(Path(args.json), {"stamp": run_stamp, "engines": engines, "model": model, "heads": heads_dirs,
                                     "prompts": args.prompts, "machine": machine,
-                                    "max_new_tokens": args.max_new_tokens, "rows": rows, "memory": memory,
+                                    "max_new_tokens": args.max_new_tokens, "stop_at_eos": args.stop_at_eos,
+                                    "rows": rows, "memory": memory,
                                     "methods": [vars(m) for m in methods]})
     greedy_differs = [r for r in rows if r["identical_greedy_output"] is False
                       and r["method"].startswith(("mtpspec", "ngram", "draft", "suffix"))]
