@@ -124,8 +124,8 @@ def drafts_whole_vocabulary(asked: str) -> bool:
     instead (SpecOptions.draft_vocab). "auto": on CPUs they keep their draft vocabulary, where
     a draft step is bound by reading the LM head's rows (block v2 at batch 1: 5.8 ms over
     8,192 tokens, 18.4 ms over all 49,152); elsewhere the whole vocabulary, which keeps more
-    tokens a step (block v2 on sources never trained on, teacher-forced chain of 4: 2.86
-    against 2.64; benchmarks/RESULTS.md), while a GPU reads the rows it adds in microseconds."""
+    tokens a step (block v2 through vLLM on sources never trained on, chains of 3: 2.50
+    against 2.35; benchmarks/RESULTS.md), while a GPU reads the rows it adds in microseconds."""
     from vllm.platforms import current_platform
 
     if asked != "auto":
