@@ -121,10 +121,13 @@ def test_report_arithmetic_tables_and_plots(tmp_path):
     assert chain1["acceptance_per_position"] == [0.5, 0.25]
     assert chain1["efficiency"] == round(1.25 / 1.75, 3) and chain1["drafting_share"] == 0.1
     assert chain1["identical_greedy_output"] is True
+    # 100 tokens, 30 of them accepted drafts: 70 steps, with drafts or without.
+    assert chain1["tokens_per_step"] == round(100 / 70, 4)
+    assert next(r for r in rows if r["method"] == "none" and r["batch_size"] == 1)["tokens_per_step"] == 1.0
     chain4 = next(r for r in rows if r["method"].startswith("mtpspec") and r["batch_size"] == 4)
     assert chain4["speedup"] == 0.8 and chain4["identical_greedy_output"] is False
     table = markdown(rows, methods, [], "## test")
-    assert "| mtpspec-chain k=3 | 1 | 12.5 | 1.25x | 1.75 |" in table
+    assert "| mtpspec-chain k=3 | 1 | 12.5 | 1.25x | 1.75 | 1.43 |" in table
     assert "| NO |" in table and "suffix (needs the arctic-inference package)" in table
     png = tmp_path / "bench.png"
     plot(rows, png, "test")

@@ -4,6 +4,10 @@ Definitions:
 - speed-up: output tokens per second over the same method-less run (same batches).
 - mean accepted length: tokens emitted per verification step of a request that carried
   drafts, 1 + accepted drafts / verification steps (vLLM's spec-decode counters).
+- tokens a step: tokens emitted per step of a request, drafts or none: output tokens /
+  (output tokens - accepted drafts), as each step emits one token and its accepted drafts.
+  A method that drafts only where it finds something (ngram) keeps a high mean accepted
+  length over few steps; this compares methods over the same steps.
 - efficiency: speed-up / mean accepted length, the share of the ideal speed-up (free
   drafting and free verification) that the implementation reaches.
 - drafting share: time in the proposer over generation time.
@@ -35,11 +39,13 @@ def summarize(methods: list[Method], tallies: dict[tuple[str, int, float], Tally
         base_tok_s = base.tokens / base.seconds if base and base.seconds else None
         speedup = tok_s / base_tok_s if base_tok_s else None
         mean_len, per_position = _acceptance(tally.counters)
+        steps = tally.tokens - tally.counters.get("num_accepted_tokens", 0)
         row = {
             "method": name, "batch_size": batch_size, "temperature": temperature,
             "output_tokens": tally.tokens, "seconds": round(tally.seconds, 3), "tokens_per_s": round(tok_s, 2),
             "speedup": None if speedup is None else round(speedup, 3),
             "mean_accepted_length": mean_len, "acceptance_per_position": per_position,
+            "tokens_per_step": round(tally.tokens / steps, 4) if steps > 0 else None,
             "drafting_share": round(tally.counters.get("draft_seconds", 0.0) / tally.seconds, 4) if tally.seconds else None,
             "efficiency": round(speedup / mean_len, 3) if speedup and mean_len else None,
             "identical_greedy_output": (tally.outputs == base.outputs) if (base and temperature == 0) else None,
@@ -98,12 +104,13 @@ def markdown(rows: list[dict], methods: list[Method], memory: list[dict], header
     for temperature in sorted({r["temperature"] for r in rows}):
         kind = "greedy" if temperature == 0 else f"temperature {temperature}"
         lines += [f"### {kind}", "",
-                  "| method | batch | tok/s | speed-up | mean accepted length | efficiency | drafting share | identical output |",
-                  "|---|---|---|---|---|---|---|---|"]
+                  "| method | batch | tok/s | speed-up | mean accepted length | tokens a step | efficiency | drafting share "
+                  "| identical output |",
+                  "|---|---|---|---|---|---|---|---|---|"]
         for r in (r for r in rows if r["temperature"] == temperature):
             identical = {True: "yes", False: "NO", None: "-"}[r["identical_greedy_output"]]
             lines.append(f"| {r['method']} | {r['batch_size']} | {r['tokens_per_s']:.1f} | {_fmt(r['speedup'], '{:.2f}x')} | "
-                         f"{_fmt(r['mean_accepted_length'])} | {_fmt(r['efficiency'])} | "
+                         f"{_fmt(r['mean_accepted_length'])} | {_fmt(r['tokens_per_step'])} | {_fmt(r['efficiency'])} | "
                          f"{_fmt(r['drafting_share'], '{:.1%}')} | {identical} |")
         lines.append("")
     per_category = [r for r in rows if r.get("by_category") and r["temperature"] == 0]
