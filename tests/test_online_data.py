@@ -135,7 +135,10 @@ def test_heads_trained_elsewhere_are_calibrated_and_kept_in_their_dtype(tiny_mod
     summary = json.loads((tmp_path / "out" / "train_summary.json").read_text())
     assert summary["training"] == {"train": {"steps": 2}}
     assert summary["held_out"]["fp32"]["rows"] > 0
-    assert (tmp_path / "out" / "loss_curves.png").is_file()
+    from PIL import Image
+
+    with Image.open(tmp_path / "out" / "loss_curves.png") as plot:  # a palette PNG: a third of RGBA's bytes
+        assert plot.mode == "P" and plot.size == (840, 480)
 
 
 def test_conditional_hits_count_a_depth_only_while_the_chain_before_it_is_right():
