@@ -146,3 +146,49 @@ def test_package_prompts_read_no_held_out_source_and_come_in_one_order(monkeypat
     assert readmes and not named & (held_out | {"vllm-mtpspec"})
     assert [p.id for p in source.package_prompts()] == [p.id for p in prompts]   # the same order again
     assert len({p.id for p in prompts}) == len(prompts)
+
+
+def test_task_prompts_wrap_only_training_conversations_in_words_no_held_out_source_uses(tmp_path, monkeypatch):
+    """Translating, summarizing and multiple choice over ShareGPT's training split and
+    chatterbot-corpus: never a held-out conversation's text, never a held-out source's wording."""
+    import re
+
+    from vllm_mtpspec.held_out_sources import LANGUAGES as HELD_OUT_LANGUAGES
+    from vllm_mtpspec_train import task_prompts as source
+
+    held_out = next(f"c{i}" for i in range(1000) if is_held_out(f"c{i}"))
+    prose = "the committee met on the fourth of May to review the budget for the new library wing"
+    long_answer = ("The plan has three parts. " + "Each part names an owner, a date and a budget line. " * 30).strip()
+    records = [{"id": f"c{i}", "conversations": [turn("human", f"{prose} number {i}"), turn("gpt", long_answer)]}
+               for i in range(40) if not is_held_out(f"c{i}")]
+    records.append({"id": held_out, "conversations": [turn("human", "HELD OUT " + prose), turn("gpt", "HELD OUT " + long_answer)]})
+    monkeypatch.setattr(source, "sharegpt_path", lambda: write_sharegpt(tmp_path / "sg.json", records))
+
+    prompts = load_prompt_source("tasks")
+    kinds = {kind: [p for p in prompts if p.category == kind] for kind in ("translation", "summarization", "qa")}
+    assert all(kinds.values()), {k: len(v) for k, v in kinds.items()}
+    assert not any("HELD OUT" in p.text for p in prompts)
+    sharegpt_translations = [p for p in kinds["translation"] if p.id.startswith("translate:sharegpt:")]
+    assert len(sharegpt_translations) == len(records) - 1   # each training conversation's first turn once
+    # The held-out sources' own requests ("Translate into French:", "Which answer is right?") never appear.
+    for language in HELD_OUT_LANGUAGES:
+        assert not any(p.text.startswith(f"Translate into {language}:") for p in prompts)
+    assert not any("Which answer is right?" in p.text for p in prompts)
+    # Kinds take turns from the start, so a prefix of the list holds all three.
+    assert {p.category for p in prompts[:3]} == {"translation", "summarization", "qa"}
+    assert len({p.id for p in prompts}) == len(prompts)
+    assert [p.id for p in source.task_prompts()] == [p.id for p in prompts]   # the same order again
+
+    # Each multiple-choice question offers its own answer once among four different options.
+    for prompt in kinds["qa"][:50]:
+        options = re.findall(r"^([ABCD])\) (.*)$", prompt.text, re.M)
+        assert [letter for letter, _ in options] == list("ABCD") and len({text for _, text in options}) == 4
+    right = {}
+    for pairs in source._chatterbot_questions().values():
+        for question, answer in pairs:
+            right.setdefault(question[0].upper() + question[1:] + ("" if question.endswith("?") else "?"), set()).add(answer)
+    for prompt in kinds["qa"]:
+        [question] = [line.removeprefix("Question: ") for line in prompt.text.splitlines()
+                      if line.removeprefix("Question: ") in right]
+        options = [text for _, text in re.findall(r"^([ABCD])\) (.*)$", prompt.text, re.M)]
+        assert len(set(options) & right[question]) == 1, prompt.text

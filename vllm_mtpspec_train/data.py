@@ -200,7 +200,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--model", default="smollm2-135m-instruct", help="a known model name or an HF folder")
     parser.add_argument("--prompts", default="sharegpt", help="'sharegpt' (first turns of the PyPI copy), 'sharegpt-later-turns' (every later turn, with "
                              "the conversation before it as context), 'dataframebench' (709 code tasks, the training split of "
-                             "the PyPI package's wheel), or a JSONL / ShareGPT JSON / text file")
+                             "the PyPI package's wheel), 'package-docs' (installed packages' descriptions and functions), "
+                             "'tasks' (translating, summarizing and multiple choice over training-side text), "
+                             "or a JSONL / ShareGPT JSON / text file")
     parser.add_argument("--out", default=None,
                         help="folder for shard-*.pt (existing shards are kept); not needed with --human-text")
     parser.add_argument("--answers", default=None, help="folder for answers-*.npz (default: OUT/answers)")
