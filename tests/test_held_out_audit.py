@@ -42,3 +42,19 @@ def test_requests_lose_the_template_that_nearly_every_prompt_shares():
     requests = request_tokens(prompts)
     assert requests[:19] == [[100 + i, 200 + i] for i in range(19)]
     assert requests[19] == [7, 7, 300]
+
+
+def test_a_training_prompt_made_from_a_conversations_text_counts_as_that_conversation(tmp_path):
+    """A 'tasks' prompt wraps a ShareGPT text (to translate, to summarize) and names it as
+    <kind>:sharegpt:<conversation id>:<turn>: a held-out turn of that conversation is not held out."""
+    from vllm_mtpspec.sharegpt import conversation_of
+
+    assert conversation_of("summarize:sharegpt:YwTudDR_0:3") == "YwTudDR"
+    assert conversation_of("translate:sharegpt:48DLSiF_13:0") == "48DLSiF"
+    assert conversation_of("translate:chatterbot:french/food.yml:3:1") == "translate:chatterbot:french/food.yml:3:1"
+    rng = random.Random(1)
+    words = [[rng.randrange(100, 50_000) for _ in range(40)] for _ in range(3)]
+    write(tmp_path / "train", ["summarize:sharegpt:YwTudDR_0:3"], [prompt(words[0])])
+    write(tmp_path / "held", ["YwTudDR_0", "YwTudDR_1#2", "other_0"], [prompt(w) for w in words])
+    audit = audit_held_out([str(tmp_path / "train")], [str(tmp_path / "held")])
+    assert audit.same_conversation == ["YwTudDR_0", "YwTudDR_1#2"] and audit.kept == 1

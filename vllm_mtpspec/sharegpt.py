@@ -66,9 +66,18 @@ TURN_SEPARATOR = "#"  # a later turn's id: "<conversation id>#<turn>"
 _PART = re.compile(r"_\d+$")
 
 
+# A prompt made from one of a conversation's texts (vllm_mtpspec_train.task_prompts: a turn to
+# translate or summarize) names it as "<kind>:sharegpt:<conversation id>:<turn>".
+_WRAPPED = re.compile(r"^[a-z-]+:sharegpt:(.+):\d+$")
+
+
 def conversation_of(prompt_id: str) -> str:
     """The conversation a prompt comes from: its id without a later turn's "#<turn>" and
-    without the part suffix of a conversation the dataset cut into parts."""
+    without the part suffix of a conversation the dataset cut into parts; for a prompt made
+    from one of its texts, the conversation of that text."""
+    wrapped = _WRAPPED.match(prompt_id)
+    if wrapped:
+        prompt_id = wrapped.group(1)
     return _PART.sub("", prompt_id.split(TURN_SEPARATOR, 1)[0])
 
 
