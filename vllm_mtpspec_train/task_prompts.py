@@ -14,8 +14,10 @@ the drafters already train on, or from a package no held-out source uses:
 
 The requests are phrased several ways, none of them the held-out sources' own wording, so the
 held-out figures stay a measure of prompts the drafter never saw. The target answers them
-(vllm_mtpspec_train.data), so the labels are its own. Ids name the text they wrap; the order is
-fixed by a hash of the id.
+(vllm_mtpspec_train.data), so the labels are its own. Ids name the text they wrap; one made
+from a ShareGPT text reads `<kind>:sharegpt:<conversation id>:<turn>`, the form
+vllm_mtpspec.sharegpt.conversation_of knows, so the held-out audit sees whose conversation it
+quotes. Each kind is in a fixed order, by a hash of the id.
 """
 from __future__ import annotations
 
