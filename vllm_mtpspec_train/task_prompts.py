@@ -29,6 +29,7 @@ from pathlib import Path
 from vllm_mtpspec.held_out_sources import package_dir
 from vllm_mtpspec.prompts import Prompt, PromptsError
 from vllm_mtpspec.sharegpt import is_held_out, iter_sharegpt, sharegpt_path
+from vllm_mtpspec_train.package_prompts import _ordered, _template
 
 LANGUAGES = ("French", "Spanish", "German", "Italian", "Portuguese", "Dutch", "Chinese", "Japanese")
 TRANSLATE_TEMPLATES = (
@@ -62,16 +63,8 @@ TRANSLATE_WORDS = (12, 80)          # a sentence or a short paragraph
 SUMMARY_CHARS = (600, 3000)         # shorter says too little to summarize; longer is cut here
 
 
-def _pick(templates: tuple[str, ...], key: str) -> str:
-    return templates[_hash(key) % len(templates)]
-
-
 def _hash(key: str) -> int:
     return int(hashlib.sha1(key.encode()).hexdigest(), 16)
-
-
-def _ordered(prompts: list[Prompt]) -> list[Prompt]:
-    return sorted(prompts, key=lambda p: hashlib.sha1(p.id.encode()).hexdigest())
 
 
 def _training_texts() -> list[tuple[str, str]]:
@@ -100,34 +93,36 @@ def _first_paragraph(text: str) -> str | None:
     return None
 
 
-def translation_prompts() -> list[Prompt]:
+def translation_prompts(texts: list[tuple[str, str]]) -> list[Prompt]:
+    """Paragraphs of ShareGPT training texts (`_training_texts`) to translate, and chatterbot-corpus lines."""
     prompts = []
-    for text_id, text in _training_texts():
+    for text_id, text in texts:
         paragraph = _first_paragraph(text)
         if paragraph is None:
             continue
         pid = f"translate:sharegpt:{text_id}"
         language = LANGUAGES[_hash(pid) % len(LANGUAGES)]
-        prompts.append(Prompt(_pick(TRANSLATE_TEMPLATES, pid).format(language=language, text=paragraph),
+        prompts.append(Prompt(_template(TRANSLATE_TEMPLATES, pid).format(language=language, text=paragraph),
                               "translation", pid))
     for folder, language in CHATTERBOT_LANGUAGES.items():
         for number, (file, conversation) in enumerate(_chatterbot(folder)):
             for line_number, line in enumerate(conversation):
                 if len(line.split()) >= 6:
                     pid = f"translate:chatterbot:{folder}/{file}:{number}:{line_number}"
-                    prompts.append(Prompt(_pick(TO_ENGLISH_TEMPLATES, pid).format(language=language, text=line),
+                    prompts.append(Prompt(_template(TO_ENGLISH_TEMPLATES, pid).format(language=language, text=line),
                                           "translation", pid))
     return prompts
 
 
-def summary_prompts() -> list[Prompt]:
+def summary_prompts(texts: list[tuple[str, str]]) -> list[Prompt]:
+    """ShareGPT training texts (`_training_texts`) to summarize, list the points of or extract from."""
     prompts = []
-    for text_id, text in _training_texts():
+    for text_id, text in texts:
         if len(text) < SUMMARY_CHARS[0] or text.count("```") > 0:
             continue
         text = text[:SUMMARY_CHARS[1]].rsplit(" ", 1)[0] if len(text) > SUMMARY_CHARS[1] else text
         pid = f"summarize:sharegpt:{text_id}"
-        prompts.append(Prompt(_pick(SUMMARY_TEMPLATES, pid).format(text=text), "summarization", pid))
+        prompts.append(Prompt(_template(SUMMARY_TEMPLATES, pid).format(text=text), "summarization", pid))
     return prompts
 
 
@@ -151,7 +146,7 @@ def choice_prompts() -> list[Prompt]:
             options.sort(key=lambda option: _hash(pid + option))
             lettered = "\n".join(f"{letter}) {option}" for letter, option in zip("ABCD", options))
             question = question[0].upper() + question[1:] + ("" if question.endswith("?") else "?")
-            prompts[pid] = Prompt(_pick(CHOICE_TEMPLATES, pid).format(question=question, options=lettered), "qa", pid)
+            prompts[pid] = Prompt(_template(CHOICE_TEMPLATES, pid).format(question=question, options=lettered), "qa", pid)
     return list(prompts.values())
 
 
@@ -186,5 +181,6 @@ def _chatterbot_questions() -> dict[str, list[tuple[str, str]]]:
 def task_prompts() -> list[Prompt]:
     """Every prompt of the three kinds, taking turns (each kind in its fixed order), so that
     the first N prompts hold the kinds alike until the smallest runs out."""
-    kinds = [_ordered(kind()) for kind in (translation_prompts, summary_prompts, choice_prompts)]
+    texts = _training_texts()  # read once: both kinds wrap the same texts
+    kinds = [_ordered(prompts) for prompts in (translation_prompts(texts), summary_prompts(texts), choice_prompts())]
     return [prompt for turn in itertools.zip_longest(*kinds) for prompt in turn if prompt is not None]
