@@ -97,6 +97,9 @@ def test_an_answers_folder_of_another_prompt_list_is_refused_before_generating(t
     assert not _answered(tmp_path, 0, prompts)
     with pytest.raises(AnswersError, match="answers-00000.npz: field 'ids' answers other prompts.*--answers"):
         generate_answers("no-model-needed", [Prompt("x", "general", "z")] + prompts, tmp_path, shard_size=3)
+    # Lists that part after their first prompt: the error names where, not two equal first ids.
+    with pytest.raises(AnswersError, match=r"prompt 1 of file 0: 'b' answered, 'c' in this list"):
+        _answered(tmp_path, 0, [prompts[0], prompts[2]])
 
 
 def test_shards_can_carry_the_prompt_rows_before_each_answer(tiny_smol_teacher, tmp_path):

@@ -163,10 +163,13 @@ def _answered(answers_dir: Path, index: int, prompts: list[Prompt]) -> bool:
         return True
     if answered == wanted[:len(answered)]:
         return False
+    first_apart = next(i for i, (a, w) in enumerate(zip(answered, wanted)) if a != w)
     raise AnswersError(
-        f"{path}: field 'ids' answers other prompts than file {index} of this prompt list (it starts with "
-        f"{answered[:1]}, the prompts with {wanted[:1]}): the prompt source, split, order or shard size differ. "
-        "Give this prompt list its own answers folder (--answers, or 'train_answers' in the config)")
+        f"{path}: field 'ids' answers other prompts than file {index} of this prompt list (they part at prompt "
+        f"{first_apart} of file {index}: {answered[first_apart]!r} answered, {wanted[first_apart]!r} in this list): "
+        "the prompt source, split, order or shard size differ. Give this prompt list its own answers folder "
+        "(--answers, or 'train_answers' in the config); to make shards from answer files as they are, whatever "
+        "list they answer, use --from-answers")
 
 
 def generate_self_distillation(
