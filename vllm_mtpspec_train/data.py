@@ -205,6 +205,7 @@ def main(argv: list[str] | None = None) -> None:
                              "the conversation before it as context), 'dataframebench' (709 code tasks, the training split of "
                              "the PyPI package's wheel), 'package-docs' (installed packages' descriptions and functions), "
                              "'tasks' (translating, summarizing and multiple choice over training-side text), "
+                             "'exams' (6,638 multiple-choice exam questions: ARC, OpenBookQA, CommonsenseQA), "
                              "or a JSONL / ShareGPT JSON / text file")
     parser.add_argument("--out", default=None,
                         help="folder for shard-*.pt (existing shards are kept); not needed with --human-text")

@@ -8,11 +8,13 @@ from vllm_mtpspec.held_out_sources import held_out_prompts
 from vllm_mtpspec.prompts import Prompt, PromptsError, load_prompts_jsonl
 from vllm_mtpspec.sharegpt import guess_category, iter_sharegpt, sharegpt_later_turns, sharegpt_path, sharegpt_prompts
 from vllm_mtpspec_train.dataframebench import dataframebench_prompts
+from vllm_mtpspec_train.exam_prompts import exam_prompts
 from vllm_mtpspec_train.package_prompts import package_prompts, package_texts
 from vllm_mtpspec_train.task_prompts import task_prompts
 
 PROMPT_SOURCES = {"sharegpt": sharegpt_prompts, "sharegpt-later-turns": sharegpt_later_turns,
-                  "dataframebench": dataframebench_prompts, "package-docs": package_prompts, "tasks": task_prompts}
+                  "dataframebench": dataframebench_prompts, "package-docs": package_prompts, "tasks": task_prompts,
+                  "exams": exam_prompts}
 
 
 def sharegpt_texts() -> list[tuple[Prompt, str]]:
