@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Restores the self-distilled training answer files (13 MB, 4.4M answer tokens) from git
+# Restores the self-distilled training answer files (18 MB, 5.1M answer tokens) from git
 # history into data/self-distilled/, where the training configs look for them, and the later
 # turns' held-out answers as generated, which only the audit reads (its audited copy stays
 # tracked). They left the tracked tree so that a clone stays small enough to travel to a GPU
@@ -11,7 +11,8 @@ cd "$(dirname "$0")/.."
 ANSWERS=data/self-distilled/smollm2-135m-instruct
 # Each folder with the last commit that tracked it.
 RESTORE=("664d8ce $ANSWERS/train" "664d8ce $ANSWERS/train-later-turns" "664d8ce $ANSWERS/train-dataframebench"
-         "664d8ce $ANSWERS/held-out-later-turns" "877bdb1 $ANSWERS/train-tasks")
+         "664d8ce $ANSWERS/held-out-later-turns" "877bdb1 $ANSWERS/train-tasks"
+         "691e1ba $ANSWERS/train-tasks-4800" "691e1ba $ANSWERS/train-exams")
 
 for entry in "${RESTORE[@]}"; do
     read -r commit folder <<<"$entry"
