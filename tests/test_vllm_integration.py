@@ -822,3 +822,30 @@ def test_the_shipped_block_drafts_over_the_whole_vocabulary_when_asked_and_keeps
     assert among == [0]
     assert outputs == baseline
     assert metrics["vllm:spec_decode_num_accepted_tokens"] > 0
+
+
+def test_a_block_with_a_copy_bias_leans_its_chains_and_keeps_greedy_output(model_dir, heads_dir, baseline, tmp_path,
+                                                                           monkeypatch):
+    """The shipped block with a copy bias in its config (copy_bias.py), at biases large
+    enough that the repeats' tokens are drafted: vLLM's token ids reach the chains, the
+    drafts change, and the output stays the model's."""
+    import vllm_mtpspec.copy_bias
+    biased = tmp_path / "copy-biased"
+    shutil.copytree(heads_dir, biased)
+    config = json.loads((biased / "config.json").read_text())
+    config["copy_bias"] = {"1": 2.0, "4": 8.0, "8": 100.0}
+    (biased / "config.json").write_text(json.dumps(config))
+    leaned = []
+    lean = vllm_mtpspec.copy_bias.lean
+
+    def counting(logits, copy_tokens, bias, following, draft_ids=None):
+        out = lean(logits, copy_tokens, bias, following, draft_ids)
+        leaned.append(int((out != logits).any(-1).sum()))
+        return out
+    monkeypatch.setattr(vllm_mtpspec.copy_bias, "lean", counting)
+    llm = build(model_dir, speculative_config={"method": "mtpspec", "model": str(biased), "num_speculative_tokens": 3,
+                                               "prompt_lookup_max": 0})
+    outputs, metrics = greedy(llm), spec_metrics(llm)
+    close(llm)
+    assert outputs == baseline
+    assert sum(leaned) > 10 and metrics["vllm:spec_decode_num_accepted_tokens"] > 0

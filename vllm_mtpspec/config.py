@@ -153,6 +153,10 @@ class HeadsConfig:
     # Measured on held-out data by the training job: rank_accuracy[d][r] is how often the
     # r-th candidate of head d is the target's token. Static and consensus trees use it.
     rank_accuracy: list[list[float]] | None = None
+    # A draft block's chains lean toward what the context repeats (copy_bias.py): the logit
+    # bias by repeat length, fitted per drafter by vllm_mtpspec_train/fit_copy_bias.py.
+    # None: no bias.
+    copy_bias: dict[str, float] | None = None
     format_version: int = FORMAT_VERSION
 
     def __post_init__(self) -> None:
@@ -195,6 +199,15 @@ class HeadsConfig:
         if self.draft_vocab_size and not self.tied:
             raise ConfigError(f"draft_vocab_size={self.draft_vocab_size} with tied=false: a draft vocabulary is "
                               "built for tied heads (they slice the target's LM head); set draft_vocab_size=0")
+        if self.copy_bias is not None:
+            if self.head_kind != "attention":
+                raise ConfigError(f"copy_bias with head_kind={self.head_kind!r}: only an attention draft block's chains "
+                                  "take a copy bias; remove copy_bias")
+            from vllm_mtpspec.copy_bias import check_copy_bias
+            try:
+                self.copy_bias = check_copy_bias(self.copy_bias)
+            except ValueError as err:
+                raise ConfigError(f"{err}; refit it with `python -m vllm_mtpspec_train.fit_copy_bias`") from None
 
     @property
     def feature_layers(self) -> list[int]:

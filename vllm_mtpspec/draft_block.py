@@ -36,6 +36,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from vllm_mtpspec import copy_bias
 from vllm_mtpspec.config import BlockConfig, HeadsConfig
 from vllm_mtpspec.heads import DraftModule
 from vllm_mtpspec.quant import Int2Linear, dequantize_int2
@@ -444,19 +445,27 @@ class DraftBlock(DraftModule):
         return self._drafting.feature_fuse(self.feature_norm(_in_dtype(g, table.dtype))) + table[rows]
 
     def draft_chains(self, caches: list[BlockCache], newest: torch.Tensor, depth: int, project, embed,
-                     draft_ids: torch.Tensor | None = None) -> torch.Tensor:
+                     draft_ids: torch.Tensor | None = None,
+                     copy: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         """Logits [B, depth, N] along each request's own top-1 chain: newest [B, d] is the
         output at its newest accepted position (depth 1); depth j reads depth j - 1's
-        output and the token drafted from it. The caches end as they began."""
+        output and the token drafted from it. copy: (tokens [B, depth], biases [B]) from
+        copy_bias.copy_drafts, which lean each depth's logits toward the context's repeat
+        while the chain follows it. The caches end as they began."""
         token_inputs = self._token_table(draft_ids, "draft_chains")
         ends = [c.length for c in caches]
         one_each = [1] * len(caches)  # each request's chain adds one row per depth
         g, logits = newest, []
+        following = None if copy is None else torch.ones(len(caches), dtype=torch.bool, device=newest.device)
         for j in range(depth):
             logits.append(project(g))
+            if copy is not None:
+                logits[-1] = copy_bias.lean(logits[-1], copy[0][:, j], copy[1], following, draft_ids)
             if j + 1 == depth:
                 break
             index = logits[-1].argmax(-1)
+            if copy is not None:
+                following = copy_bias.following_after(following, index, copy[0][:, j], draft_ids)
             if token_inputs is not None:
                 x = self._table_input(g, index)
             else:

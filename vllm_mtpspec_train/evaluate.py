@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 from vllm_mtpspec.config import SpecOptions
+from vllm_mtpspec.copy_bias import along_answer
 from vllm_mtpspec.grown_tree import grow_trees
 from vllm_mtpspec.heads import MTPHeads
 from vllm_mtpspec.lookup import lookup_draft
@@ -67,10 +68,26 @@ def block_answer_logits(block, shard: dict, j: int, lm_head, embed, chunk: int =
     k = block.num_heads
     seq = answer_sequence(shard, j, block.feature_layers)
     states = unroll_sequences(block, [seq], embed)[0, seq["first_answer_row"]:]  # [n, k, d]
+    copy = _copy_along(block, shard, j, states.shape[0])
     for start in range(0, states.shape[0], chunk):
         g = states[start:start + chunk]
-        logits = project(g.reshape(-1, g.shape[-1])).view(g.shape[0], k, -1)
-        yield slice(start, start + g.shape[0]), block.target_vocab_logits(logits)
+        logits = block.target_vocab_logits(project(g.reshape(-1, g.shape[-1])).view(g.shape[0], k, -1))
+        if copy is not None:  # as drafting leans each depth, where the chain follows the repeat
+            tokens, bias = copy[0][start:start + chunk], copy[1][start:start + chunk]
+            logits = logits.scatter_add(-1, tokens.clamp_min(0)[..., None], bias[..., None].to(logits.dtype))
+        yield slice(start, start + g.shape[0]), logits
+
+
+def _copy_along(block, shard: dict, j: int, rows: int):
+    """The copy bias's (tokens [rows, k], biases [rows, k]) along answer j (copy_bias.py),
+    or None for a block without one."""
+    biases = block.config.copy_bias
+    if not biases:
+        return None
+    start, end = int(shard["offsets"][j]), int(shard["offsets"][j + 1])
+    prompt = list(shard["prompt_ids"][j])
+    context = np.asarray(prompt + shard["tokens"][start:end].tolist())
+    return along_answer(context, len(prompt), rows, block.num_heads, biases)
 
 
 def draft_logits_along(heads, shard: dict, j: int, project, embed):

@@ -216,12 +216,12 @@ class BlockContexts:
 
     @torch.no_grad()
     def chain_probs(self, batch_indices: list[int], req_ids: list[str], depth: int, project,
-                    temperatures: torch.Tensor, draft_ids: torch.Tensor | None) -> torch.Tensor:
+                    temperatures: torch.Tensor, draft_ids: torch.Tensor | None, copy=None) -> torch.Tensor:
         """[B, depth, V] temperature-scaled probabilities along each request's own top-1
         chain from its newest accepted position, all requests drafted together (their
-        pending rows first)."""
+        pending rows first). copy: the copy bias's continuations (DraftBlock.draft_chains)."""
         caches, newest = self._drafting_from(batch_indices, req_ids)
-        logits = self.block.draft_chains(caches, newest, depth, project, self._embed, draft_ids).float()
+        logits = self.block.draft_chains(caches, newest, depth, project, self._embed, draft_ids, copy).float()
         return torch.softmax(logits / temperatures[:depth, None], dim=-1)
 
     @torch.no_grad()

@@ -38,6 +38,7 @@ import torch
 from vllm_mtpspec.checkpoint import load_heads
 from vllm_mtpspec.cohort import GREEDY_PACED_FROM, CohortPacer
 from vllm_mtpspec.config import ConfigError
+from vllm_mtpspec.copy_bias import copy_drafts
 from vllm_mtpspec.draft_planner import Candidate, DraftPlanner
 from vllm_mtpspec.draft_vocab import SlicedLMHead
 from vllm_mtpspec.lookup import lookup_draft
@@ -338,9 +339,10 @@ class MTPSpecProposer:
             chain_rows = [n for n in range(len(head_owners)) if n not in on_tree]
             if self.block_contexts is not None:
                 drafted = [owners[j] for j in head_owners]
+                chained = [drafted[n] for n in chain_rows]
                 chain_probs = self.block_contexts.chain_probs(
-                    [drafted[n] for n in chain_rows], req_ids, depth, self._lm_head, self._temperatures,
-                    self._draft_ids) if chain_rows else None
+                    chained, req_ids, depth, self._lm_head, self._temperatures, self._draft_ids,
+                    self._copy_drafts(chained, depth, num_tokens_no_spec, token_ids_cpu)) if chain_rows else None
                 trees = self._block_trees([drafted[n] for n in tree_rows], req_ids, depth,
                                           budget) if tree_rows else []
             elif self.heads.config.grows_trees:
@@ -497,6 +499,16 @@ class MTPSpecProposer:
             if draft:
                 found[j] = draft
         return found
+
+    def _copy_drafts(self, batch_indices: list[int], depth: int, num_tokens, token_ids):
+        """The copy bias's continuations for these requests' chains (copy_bias.py), or None
+        where the block has no copy bias. Built on the host from the token ids vLLM keeps
+        there, then copied to the device once."""
+        biases = self.heads.config.copy_bias
+        if not biases or token_ids is None or num_tokens is None:
+            return None
+        contexts = [token_ids[i, :num_tokens[i]] for i in batch_indices]
+        return copy_drafts(contexts, depth, biases, self.device)
 
     def _blocker(self, batch_index: int) -> str | None:
         return None if self._tree_blocker is None else self._tree_blocker(batch_index)
