@@ -6,10 +6,17 @@ import numpy as np
 import pytest
 import torch
 
+from tests.test_draft_block import VOCAB, D, drafted_chain, make_block, random_sequence
 from vllm_mtpspec.config import BlockConfig, ConfigError, HeadsConfig
-from vllm_mtpspec.copy_bias import (LONGEST_REPEAT, along_answer, copy_drafts, following_after, lean,
-                                    longest_repeat, repeat_bucket)
-from tests.test_draft_block import D, VOCAB, drafted_chain, make_block, random_sequence
+from vllm_mtpspec.copy_bias import (
+    LONGEST_REPEAT,
+    along_answer,
+    copy_drafts,
+    following_after,
+    lean,
+    longest_repeat,
+    repeat_bucket,
+)
 
 
 def brute_force_repeat(tokens: list[int], k: int) -> tuple[int, list[int]]:
