@@ -2,18 +2,18 @@
 
 Small models loop, quote their prompts and repeat names. Where the context's last n
 tokens occurred before, the tokens that followed them then are a likely continuation:
-vLLM's ngram drafts only those, and keeps more tokens on the steps where it drafts than
-the block does on the same steps, because at the turn of a loop the block is often sure
-of something else. The copy bias adds beta(n) to the logit of the token that followed the
+vLLM's ngram drafts only those. The block drafts every step and is right more often, but
+the two miss in different places: at the turn of a loop the block is often sure of
+something else. The copy bias adds beta(n) to the logit of the token that followed the
 most recent of the longest earlier repeats of the context's end, at each depth of the
-chain while the chain has followed that continuation. Longer repeats are likelier to go
-on, so beta grows with n; it is fitted per drafter, on answers of sources it is not
-scored on (vllm_mtpspec_train/fit_copy_bias.py), and stored in its config (`copy_bias`).
+chain while the chain has followed that continuation. beta depends on the repeat's
+length; it is fitted per drafter, on answers of sources it is not scored on
+(vllm_mtpspec_train/fit_copy_bias.py), and stored in its config (`copy_bias`).
 
-It changes only which token the block drafts (and the draft probabilities vLLM verifies
-sampled drafts against), so output stays the target's. Chains of a draft block take it
-(DraftBlock.draft_chains, and the teacher-forced replay in vllm_mtpspec_train/evaluate.py);
-dynamic trees, prompt lookup's drafts and the reference decoder draft without it.
+It changes only which tokens the block drafts (and their draft probabilities), so output
+stays the target's. Chains of a draft block take it (DraftBlock.draft_chains, and the
+teacher-forced replay in vllm_mtpspec_train/evaluate.py); dynamic trees, prompt lookup's
+drafts and the reference decoder draft without it.
 """
 from __future__ import annotations
 
