@@ -85,7 +85,7 @@ def copy_drafts(contexts: list[np.ndarray], depth: int, biases: dict[str, float]
     bias = np.zeros(len(contexts), dtype=np.float32)
     for i, context in enumerate(contexts):
         n, follow = longest_repeat(np.asarray(context), depth)
-        beta = bias_for(biases, n) if n else None
+        beta = bias_for(biases, n)
         if beta is not None:
             tokens[i, :len(follow)] = follow
             bias[i] = beta
@@ -123,21 +123,32 @@ def following_after(following: torch.Tensor, drafted: torch.Tensor, copy_tokens:
     return following & (token == copy_tokens)
 
 
+def repeats_along(context: np.ndarray, first: int, rows: int, depth: int) -> tuple[np.ndarray, np.ndarray]:
+    """At each answer row r (context[:first + r + 1] known): the length of the longest
+    earlier repeat (lengths [rows]) and what followed it (tokens [rows, depth], -1 past
+    its end), as longest_repeat finds them while drafting."""
+    lengths = np.zeros(rows, dtype=np.int64)
+    tokens = np.full((rows, depth), -1, dtype=np.int64)
+    for r in range(rows):
+        lengths[r], follow = longest_repeat(context[:first + r + 1], depth)
+        tokens[r, :len(follow)] = follow
+    return lengths, tokens
+
+
 def along_answer(context: np.ndarray, first: int, rows: int, depth: int,
                  biases: dict[str, float]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Teacher-forced: at answer row r (context[:first + r + 1] known) and depth i, the
-    copy token and its bias where a chain that is still right follows the continuation
-    (its first i tokens are the answer's): (tokens [rows, depth], -1 where none; bias
-    [rows, depth], 0 where none)."""
+    """Teacher-forced: at answer row r and depth i, the copy token and its bias where a
+    chain that is still right follows the continuation (its first i tokens are the
+    answer's): (tokens [rows, depth], -1 where none; bias [rows, depth], 0 where none)."""
+    lengths, follows = repeats_along(context, first, rows, depth)
     tokens = np.full((rows, depth), -1, dtype=np.int64)
     bias = np.zeros((rows, depth), dtype=np.float32)
     for r in range(rows):
-        n, follow = longest_repeat(context[:first + r + 1], depth)
-        beta = bias_for(biases, n) if n else None
+        beta = bias_for(biases, int(lengths[r]))
         if beta is None:
             continue
         truth = context[first + r + 1:first + r + 1 + depth]
-        for i, token in enumerate(follow):
+        for i, token in enumerate(follows[r][follows[r] >= 0]):
             tokens[r, i], bias[r, i] = token, beta
             if i >= len(truth) or token != truth[i]:
                 break  # a chain still right leaves the continuation here

@@ -25,7 +25,7 @@ import torch
 from tqdm import tqdm
 
 from vllm_mtpspec.checkpoint import CONFIG_FILE, load_heads
-from vllm_mtpspec.copy_bias import REPEAT_LENGTHS, longest_repeat, repeat_bucket
+from vllm_mtpspec.copy_bias import REPEAT_LENGTHS, repeat_bucket, repeats_along
 from vllm_mtpspec.models import resolve_model
 from vllm_mtpspec.shards import list_shards
 from vllm_mtpspec.weights import embedding_and_lm_head
@@ -63,12 +63,8 @@ def answer_rows(block, shard_files: list[Path], lm_head: torch.Tensor, embed: to
             prompt = list(shard["prompt_ids"][j])
             context = np.asarray(prompt + answer.tolist())
             n = len(answer)
-            copy = np.full((n, k), -1, dtype=np.int64)
-            bucket = np.zeros(n, dtype=np.int64)
-            for r in range(n):
-                length, follow = longest_repeat(context[:len(prompt) + r + 1], k)
-                bucket[r] = repeat_bucket(length)
-                copy[r, :len(follow)] = follow
+            lengths, copy = repeats_along(context, len(prompt), n, k)
+            bucket = np.array([repeat_bucket(int(length)) for length in lengths], dtype=np.int64)
             top1 = np.empty((n, k), dtype=np.int64)
             gap = np.full((n, k), np.inf, dtype=np.float32)
             for rows_slice, logits in block_answer_logits(block, shard, j, project, embed):
