@@ -174,9 +174,11 @@ def test_the_fit_biases_the_repeats_that_are_right_and_leaves_the_ones_that_are_
     answer = np.arange(5)
     ahead = np.append(answer[1:], -1)[:, None]        # what depth 1 should draft at each row
     # A: the block is always wrong, each row's 4-token repeat right, 1.2 logits below.
-    copied = AnswerRows(answer, np.full((5, 1), 99), ahead, np.full((5, 1), 1.2, np.float32), np.full(5, 4))
+    copied = AnswerRows("a", "test", np.array([7]), answer, np.full((5, 1), 99), ahead,
+                        np.full((5, 1), 1.2, np.float32), np.full(5, 4))
     # B: the block is always right, each row's 8-token repeat wrong, 0.7 below.
-    own = AnswerRows(answer, ahead, np.full((5, 1), 77), np.full((5, 1), 0.7, np.float32), np.full(5, 8))
+    own = AnswerRows("b", "test", np.array([7]), answer, ahead, np.full((5, 1), 77),
+                     np.full((5, 1), 0.7, np.float32), np.full(5, 8))
     biases, before, after = fit([copied, own], depth=1)
     assert biases == {4: 1.5}                          # the least bias on the grid past A's gap; none for B
     # Without: A takes 4 steps of 1 token, B 2 of 2 (8 tokens in 6 steps); with: 2 of 2 each.

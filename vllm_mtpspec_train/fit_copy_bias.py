@@ -41,7 +41,10 @@ BIAS_GRID = (-math.inf, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, 8.0, 12.0, ALWAYS)
 
 @dataclass
 class AnswerRows:
-    """What the fit needs of one answer, per row r and depth i."""
+    """What the fit needs of one answer, per row r and depth i, and where the answer is from."""
+    id: str                  # the prompt's id in its shard
+    category: str            # its source or kind of use
+    prompt: np.ndarray       # [p] the prompt's tokens, which the answer follows
     answer: np.ndarray       # [n] the answer's tokens
     top1: np.ndarray         # [n, k] the block's own top-1, in target ids
     copy: np.ndarray         # [n, k] the continuation of row r's longest earlier repeat, -1 past its end
@@ -73,28 +76,37 @@ def answer_rows(block, shard_files: list[Path], lm_head: torch.Tensor, embed: to
                 own = torch.from_numpy(copy[rows_slice])
                 theirs = logits.gather(-1, own.clamp_min(0)[..., None])[..., 0]
                 gap[rows_slice] = np.where(copy[rows_slice] >= 0, (best - theirs).numpy(), np.inf)
-            rows.append(AnswerRows(answer, top1, copy, gap, bucket))
+            rows.append(AnswerRows(shard["ids"][j], shard["categories"][j], np.asarray(prompt), answer, top1,
+                                    copy, gap, bucket))
     return rows
 
 
+def accepted_at(a: AnswerRows, r: int, biases: dict[int, float], depth: int) -> int:
+    """The draft tokens a greedy chain of `depth` keeps at answer row r, teacher-forced, with
+    these biases (bucket -> bias): at each depth the continuation replaces the top-1 where its
+    logit plus the bias reaches the top-1's, while the chain has followed the continuation."""
+    n = len(a.answer)
+    bias = biases.get(int(a.bucket[r]), -math.inf)
+    accepted, following = 0, True
+    while accepted < depth and r + accepted + 1 < n:
+        copy = a.copy[r, accepted]
+        use_copy = following and copy >= 0 and a.gap[r, accepted] <= bias
+        drafted = copy if use_copy else a.top1[r, accepted]
+        following = following and drafted == copy
+        if drafted != a.answer[r + accepted + 1]:
+            break
+        accepted += 1
+    return accepted
+
+
 def tokens_per_step(rows: list[AnswerRows], biases: dict[int, float], depth: int) -> float:
-    """Teacher-forced greedy replay of chains of `depth` with these biases (bucket -> bias):
-    at each depth the continuation replaces the top-1 where its logit plus the bias reaches
-    the top-1's, while the chain has followed the continuation."""
+    """Greedy decoding replayed along the answers with chains of `depth` (accepted_at): the
+    tokens each step emits, the accepted drafts and the target's own next token, on average."""
     steps = emitted = 0
     for a in rows:
-        n, r = len(a.answer), 0
-        while r < n - 1:
-            bias = biases.get(int(a.bucket[r]), -math.inf)
-            accepted, following = 0, True
-            while accepted < depth and r + accepted + 1 < n:
-                copy = a.copy[r, accepted]
-                use_copy = following and copy >= 0 and a.gap[r, accepted] <= bias
-                drafted = copy if use_copy else a.top1[r, accepted]
-                following = following and drafted == copy
-                if drafted != a.answer[r + accepted + 1]:
-                    break
-                accepted += 1
+        r = 0
+        while r < len(a.answer) - 1:
+            accepted = accepted_at(a, r, biases, depth)
             steps += 1
             emitted += accepted + 1
             r += accepted + 1
