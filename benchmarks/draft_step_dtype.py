@@ -42,7 +42,7 @@ def draft_step(path: str, dtype: str, batch: int, context: int, embed: torch.Ten
     d = heads.config.hidden_size
     h, tokens = torch.randn(batch, d, generator=gen).to(table.dtype), torch.randint(0, table.shape[0], (batch,),
                                                                                       generator=gen)
-    if heads.config.head_kind != "attention":
+    if not heads.config.kind.keeps_context:
         return lambda: heads.draft_logits(h, table[tokens], heads.num_heads, project,
                                           lambda t: table[t], heads.draft_vocab).argmax(-1)
     # As the proposer drafts: fused products, a drafted token's input half from a table.

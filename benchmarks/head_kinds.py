@@ -43,7 +43,7 @@ MAX_K = 6
 
 def deeper(heads, depth: int):
     """An attention block drafting `depth` depths (same weights); parallel heads as they are."""
-    if heads.config.head_kind != "attention" or depth == heads.num_heads:
+    if not heads.config.kind.keeps_context or depth == heads.num_heads:
         return heads
     config = HeadsConfig.from_dict({**heads.config.to_dict(), "num_heads": depth,
                                     "temperatures": [heads.config.temperatures[-1]] * depth})
@@ -82,7 +82,7 @@ def draft_step_ms(heads, lm_head, embed, repeats: int, context: int = 256) -> fl
     project = heads.lm_head_for(lm_head)
     d, k = heads.config.hidden_size, heads.num_heads
     h, token = torch.randn(1, d), torch.randint(0, embed.shape[0], (1,))
-    if heads.config.head_kind == "attention":
+    if heads.config.kind.keeps_context:
         # As the proposer drafts: fused products, a drafted token's input half from a table.
         heads.prepare_drafting(None if heads.draft_vocab is None else embed[heads.draft_vocab])
         cache = heads.empty_cache()

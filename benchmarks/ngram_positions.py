@@ -132,7 +132,7 @@ def main() -> None:
     parser.add_argument("--markdown", default=None)
     args = parser.parse_args()
     block = load_heads(args.heads).float().eval()
-    if block.config.head_kind != "attention":
+    if not block.config.kind.keeps_context:
         parser.error(f"{args.heads}: head_kind={block.config.head_kind!r}; this compares an attention draft block")
     if not 1 <= args.depth <= block.num_heads:
         parser.error(f"--depth {args.depth}: the block drafts 1..{block.num_heads} deep")

@@ -51,7 +51,7 @@ def statistics_from_rows(heads: MTPHeads, chunks, *, embed: torch.Tensor, lm_hea
         for hidden, tokens in chunks:
             if not heads.config.token_conditioned:
                 yield hidden, None
-            elif heads.config.head_kind == "sequential":  # every depth's token, along chains that are right
+            elif heads.config.kind.reads_drafted_tokens:  # every depth's token, along chains that are right
                 chains = tokens if tokens.dim() == 2 else chain_tokens(tokens, heads.num_heads)
                 yield hidden, embed[chains.long()]
             else:
@@ -103,7 +103,7 @@ def heads_statistics_from_shards(heads: MTPHeads, shards_dir: str | Path, *, mod
     if embed.shape[1] != heads.config.hidden_size:
         raise QuantError(f"--model {model}: hidden size {embed.shape[1]}, the heads' is {heads.config.hidden_size}")
     read = []
-    if heads.config.head_kind == "attention":
+    if heads.config.kind.keeps_context:
         stats, rows = block_statistics_from_shards(heads.float(), files, max_rows, embed=embed, read=read)
         return stats, f"{rows} answer rows (with their context) of {Path(shards_dir).name}/{read[0].name}..{read[-1].name}"
     rows = [0]

@@ -15,7 +15,6 @@ from safetensors.torch import save_file
 
 from vllm_mtpspec.config import ConfigError, HeadsConfig, layers_beyond
 from vllm_mtpspec.draft_vocab import check_id_map
-from vllm_mtpspec.head_kinds import build_heads
 from vllm_mtpspec.heads import DraftModule
 from vllm_mtpspec.weights import EMBED, read_tensor
 
@@ -76,7 +75,7 @@ def load_heads(heads_dir: str | Path, *, device: str | torch.device = "cpu", dty
         raise HeadsError(
             f"{weights_path} is corrupt or truncated ({err}); re-export the heads or fetch the file again"
         ) from None
-    heads = build_heads(config)
+    heads = config.kind.build(config)
     expected = heads.state_dict()
     missing = sorted(set(expected) - set(state))
     unexpected = sorted(set(state) - set(expected))

@@ -8,8 +8,9 @@ import sys
 from importlib.metadata import entry_points
 from pathlib import Path
 
-from vllm_mtpspec.config import HEAD_INPUTS, HEAD_KINDS, TREE_PRESETS
+from vllm_mtpspec.config import HEAD_INPUTS, TREE_PRESETS
 from vllm_mtpspec.json_output import print_json, stdout_for_json_only
+from vllm_mtpspec.kinds.registry import kind_names
 from vllm_mtpspec.layer_states import parse_layer_list
 from vllm_mtpspec.shipped import shipped_heads_dir
 
@@ -36,27 +37,22 @@ def cmd_models_list(args) -> int:
 # ---------------------------------------------------------------- heads
 def cmd_heads_init(args) -> int:
     from vllm_mtpspec.checkpoint import save_heads
-    from vllm_mtpspec.heads_init import init_heads
+    from vllm_mtpspec.kinds.registry import kind_named
     from vllm_mtpspec.target import load_target
 
+    kind = kind_named(args.kind)
+    if kind.tied_only and not args.tied:
+        raise SystemExit(f"--kind {kind.name}: {kind.noun} project through the model's LM head: drop --untied")
+    if args.feature_layers and not kind.reads_layers:
+        raise SystemExit(f"--feature-layers with --kind {kind.name}: only an attention draft block reads other "
+                         "layers' states; pass --kind attention or drop --feature-layers")
+    if kind.token_conditioned_only and args.head_input != "hidden+token":
+        raise SystemExit(f"--kind {kind.name}: each depth reads the token drafted before it through the model's "
+                         "embedding; pass --head-input hidden+token")
     target = load_target(args.model, dtype="fp32")
-    if args.kind == "attention":
-        from vllm_mtpspec.heads_init import init_draft_block
-
-        if not args.tied:
-            raise SystemExit("--kind attention projects through the model's LM head: drop --untied")
-        heads = init_draft_block(target.model, target.model_dir, num_heads=args.num_heads, seed=args.seed,
-                                 feature_layers=args.feature_layers)
-    else:
-        if args.feature_layers:
-            raise SystemExit(f"--feature-layers with --kind {args.kind}: only an attention draft block reads other "
-                             "layers' states; pass --kind attention or drop --feature-layers")
-        if args.kind == "sequential" and (args.head_input != "hidden+token" or not args.tied):
-            raise SystemExit("--kind sequential: each depth reads the token drafted before it through the model's "
-                             "embedding and LM head; pass --head-input hidden+token and drop --untied")
-        heads = init_heads(target.model, target.model_dir, num_heads=args.num_heads, tied=args.tied,
-                           head_input=args.head_input, mlp_size=args.mlp_size, init_std=args.init_std, seed=args.seed,
-                           head_kind=args.kind)
+    heads = kind.initial_heads(target.model, target.model_dir, num_heads=args.num_heads, tied=args.tied,
+                               head_input=args.head_input, mlp_size=args.mlp_size, init_std=args.init_std,
+                               seed=args.seed, feature_layers=args.feature_layers)
     out = save_heads(heads, args.out)
     print(out)
     return 0
@@ -191,11 +187,11 @@ def decode_prompts(target, heads, prompts, *, options, max_new_tokens: int, temp
     from vllm_mtpspec.reference import ReferenceDecoder, plain_greedy
 
     depth = options.depth_for(heads.config, source="--num-heads")
-    if (refusal := heads.config.tree_refusal(options.tree)) is not None:
+    if (refusal := heads.config.kind.tree_refusal(options.tree)) is not None:
         from vllm_mtpspec.config import ConfigError
 
         raise ConfigError(f"--tree {options.tree}: {refusal}; use --tree chain"
-                          + (" or --tree dynamic" if heads.config.grows_trees else ""))
+                          + (" or --tree dynamic" if heads.config.kind.grows_trees else ""))
     decoder = ReferenceDecoder(target.model, drafter_for(heads, target.model), options, depth=depth,
                                rank_accuracy=heads.config.rank_accuracy)
     rows = []
@@ -348,7 +344,7 @@ def build_parser() -> argparse.ArgumentParser:
                                      "and, for untied heads, projections copied from the model's LM head.")
     p.add_argument("--model", required=True, help="a known model name or a Hugging Face folder")
     p.add_argument("--num-heads", type=int, default=4, help="k: how many tokens ahead the heads guess (default 4)")
-    p.add_argument("--kind", choices=HEAD_KINDS, default="parallel",
+    p.add_argument("--kind", choices=kind_names(), default="parallel",
                    help="'parallel': one MLP head per depth on h_t (and the sampled token); 'sequential': one "
                         "MLP per depth on the depth before's state and the token drafted from it (needs --head-input "
                         "hidden+token; drafts chains and dynamic trees); 'attention': one transformer block shaped like the "

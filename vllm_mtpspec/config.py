@@ -10,20 +10,14 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
+from vllm_mtpspec.kinds.base import DrafterKind
+from vllm_mtpspec.kinds.registry import UnknownKindError, kind_named
+
 FORMAT_VERSION = 1
 
 HEAD_INPUTS = ("hidden", "hidden+token")
-# "parallel": every depth is an MLP on h_t and x_{t+1} (heads.py). "sequential": depth i
-# is an MLP on depth i - 1's state and the token drafted from it (sequential_heads.py).
-# "attention": one transformer block with causal attention over the context's features,
-# applied recursively on its own output for deeper drafts (draft_block.py).
-HEAD_KINDS = ("parallel", "sequential", "attention")
-# Kinds whose deeper drafts read the shallower ones' tokens: each node of a tree needs its
-# own deeper states, so no fixed-shape tree applies. Both grow dynamic trees depth by
-# depth (grown_tree.py): sequential heads from each node's state and token, the attention
-# block from each node's output and its path's entries.
-CHAIN_ONLY_HEAD_KINDS = ("sequential", "attention")
-GROWN_TREE_HEAD_KINDS = CHAIN_ONLY_HEAD_KINDS
+# What kinds of drafter there are and what each can do: vllm_mtpspec/kinds/ (one module per
+# kind, one table).
 TREE_PRESETS = ("chain", "consensus", "static", "dynamic")
 DRAFT_SIZES = ("fixed", "planned")
 PACE_COHORTS = ("never", "sampled", "always")
@@ -131,8 +125,8 @@ class HeadsConfig:
     hidden_size: int
     vocab_size: int
     tied: bool = True
-    head_kind: str = "parallel"           # one of HEAD_KINDS
-    block: BlockConfig | None = None      # head_kind="attention": the block's shape
+    head_kind: str = "parallel"           # a registered drafter kind (kinds/)
+    block: BlockConfig | None = None      # an attention draft block's shape (kinds/attention.py)
     # "hidden": head i sees h_t alone (Medusa). "hidden+token": head i also sees the input
     # embedding of x_{t+1}, the token just sampled from h_t (DeepSeek-V3 MTP, FastMTP).
     head_input: str = "hidden"
@@ -162,25 +156,23 @@ class HeadsConfig:
     def __post_init__(self) -> None:
         if self.num_heads < 1:
             raise ConfigError(f"num_heads={self.num_heads}: need at least one head")
-        if self.head_kind not in HEAD_KINDS:
-            raise ConfigError(f"head_kind={self.head_kind!r}: choose one of {HEAD_KINDS}")
+        try:
+            kind = kind_named(self.head_kind)
+        except UnknownKindError as err:
+            raise ConfigError(str(err)) from None
         if isinstance(self.block, dict):
             reject_unknown_keys(BlockConfig, self.block, source="block")
             self.block = BlockConfig(**self.block)
-        if (self.head_kind == "attention") != (self.block is not None):
-            raise ConfigError(f"head_kind={self.head_kind!r} with block={'set' if self.block else 'unset'}: an "
-                              "attention draft block needs its 'block' shape, and only it has one")
-        if self.head_kind == "attention" and not self.tied:
-            raise ConfigError("head_kind='attention' with tied=false: the draft block projects through the "
-                              "target's LM head; set tied=true")
         if self.head_input not in HEAD_INPUTS:
             raise ConfigError(f"head_input={self.head_input!r}: choose one of {HEAD_INPUTS}")
-        if self.head_kind == "sequential" and not self.token_conditioned:
-            raise ConfigError(f"head_kind='sequential' with head_input={self.head_input!r}: a sequential head reads "
-                              "the token drafted before it; set head_input='hidden+token'")
-        if self.head_kind == "sequential" and not self.tied:
-            raise ConfigError("head_kind='sequential' with tied=false: sequential heads project each depth through "
-                              "the target's LM head; set tied=true")
+        if self.copy_bias is not None:
+            from vllm_mtpspec.copy_bias import check_copy_bias
+            try:
+                self.copy_bias = check_copy_bias(self.copy_bias)
+            except ValueError as err:
+                raise ConfigError(f"{err}; refit it with `python -m vllm_mtpspec_train.fit_copy_bias`") from None
+        if (refusal := kind.refusal(self)) is not None:
+            raise ConfigError(refusal)
         if self.mlp_size < 0:
             raise ConfigError(f"mlp_size={self.mlp_size}: must be >= 0 (0 = no hidden layer)")
         if not self.temperatures:
@@ -199,15 +191,11 @@ class HeadsConfig:
         if self.draft_vocab_size and not self.tied:
             raise ConfigError(f"draft_vocab_size={self.draft_vocab_size} with tied=false: a draft vocabulary is "
                               "built for tied heads (they slice the target's LM head); set draft_vocab_size=0")
-        if self.copy_bias is not None:
-            if self.head_kind != "attention":
-                raise ConfigError(f"copy_bias with head_kind={self.head_kind!r}: only an attention draft block's chains "
-                                  "take a copy bias; remove copy_bias")
-            from vllm_mtpspec.copy_bias import check_copy_bias
-            try:
-                self.copy_bias = check_copy_bias(self.copy_bias)
-            except ValueError as err:
-                raise ConfigError(f"{err}; refit it with `python -m vllm_mtpspec_train.fit_copy_bias`") from None
+
+    @property
+    def kind(self) -> DrafterKind:
+        """What this kind of drafter is and can do (kinds/)."""
+        return kind_named(self.head_kind)
 
     @property
     def feature_layers(self) -> list[int]:
@@ -218,30 +206,6 @@ class HeadsConfig:
     @property
     def token_conditioned(self) -> bool:
         return self.head_input == "hidden+token"
-
-    @property
-    def chains_only(self) -> bool:
-        """Whether each depth's logits are those along the heads' own top-1 chain (so no
-        fixed-shape tree applies, and no tree can be replayed from them)."""
-        return self.head_kind in CHAIN_ONLY_HEAD_KINDS
-
-    @property
-    def grows_trees(self) -> bool:
-        """Whether these heads' dynamic trees are grown depth by depth from their own drafts
-        (grown_tree.py) rather than chosen among every depth's candidates (tree.py)."""
-        return self.head_kind in GROWN_TREE_HEAD_KINDS
-
-    def default_tree(self) -> str:
-        """The tree preset these heads draft best when none is asked: a consensus tree from
-        independent heads, a tree grown step by step from heads that read their own drafts."""
-        return "dynamic" if self.chains_only else "consensus"
-
-    def tree_refusal(self, tree: str) -> str | None:
-        """Why these heads cannot draft the tree preset `tree` (None: they can)."""
-        if tree in ("chain", "dynamic") or not self.chains_only:
-            return None
-        return (f"head_kind={self.head_kind!r} drafts chains and dynamic trees only (its deeper drafts read the "
-                "shallower ones' tokens, so each node's children come from a draft step of its own)")
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

@@ -39,7 +39,7 @@ class HeadsDrafter:
     @property
     def grows_trees(self) -> bool:
         """Whether its dynamic trees are grown from draft_step (grown_tree.py)."""
-        return self.heads.config.grows_trees
+        return self.heads.config.kind.grows_trees
 
     @property
     def draft_ids(self) -> torch.Tensor | None:
@@ -80,7 +80,7 @@ class BlockDrafter:
     @property
     def grows_trees(self) -> bool:
         """Whether its dynamic trees are grown from draft_step (grown_tree.py)."""
-        return self.config.grows_trees
+        return self.config.kind.grows_trees
 
     @property
     def draft_ids(self) -> torch.Tensor | None:
@@ -129,6 +129,4 @@ class BlockDrafter:
 
 def drafter_for(heads: DraftModule, model) -> "HeadsDrafter | BlockDrafter":
     """The drafter for a head kind."""
-    if heads.config.head_kind == "attention":
-        return BlockDrafter(heads, model)
-    return HeadsDrafter(heads, model)
+    return heads.config.kind.drafter(heads, model)

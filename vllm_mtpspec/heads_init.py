@@ -7,7 +7,6 @@ import torch
 
 from vllm_mtpspec.checkpoint import model_fingerprint
 from vllm_mtpspec.config import ConfigError, HeadsConfig, layers_beyond
-from vllm_mtpspec.head_kinds import build_heads
 from vllm_mtpspec.heads import MTPHeads
 
 
@@ -59,7 +58,7 @@ def init_heads(
     )
     with torch.random.fork_rng():  # the hidden layer's random init: same seed, same heads
         torch.manual_seed(seed)
-        heads = build_heads(config)
+        heads = config.kind.build(config)
     if init_std > 0:
         generator = torch.Generator().manual_seed(seed)
         with torch.no_grad():

@@ -54,9 +54,9 @@ class ReferenceDecoder:
         if self.depth > drafter.num_heads:
             raise ValueError(f"depth {self.depth} > {drafter.num_heads} heads")
         heads_config = getattr(drafter, "config", None)  # the heads' own (a test's stand-in may have none)
-        if heads_config is not None and (refusal := heads_config.tree_refusal(options.tree)) is not None:
+        if heads_config is not None and (refusal := heads_config.kind.tree_refusal(options.tree)) is not None:
             raise ConfigError(f"tree={options.tree!r}: {refusal}; use tree='chain'"
-                              + (" or tree='dynamic'" if heads_config.grows_trees else ""))
+                              + (" or tree='dynamic'" if heads_config.kind.grows_trees else ""))
         self.trees = DraftTreeBuilder(options.tree, self.depth, max_nodes=options.max_tree_nodes,
                                       min_path_prob=options.min_path_prob, dynamic_top_k=options.dynamic_top_k,
                                       rank_accuracy=options.head_rank_accuracy or rank_accuracy)

@@ -99,7 +99,7 @@ class SequentialHeads(MTPHeads):
         each depth's job here. Training then specialises the depths."""
         from vllm_mtpspec.config import HeadsConfig
 
-        if parallel.config.head_kind != "parallel" or parallel.is_quantized or parallel.proj is not None:
+        if type(parallel) is not MTPHeads or parallel.is_quantized or parallel.proj is not None:
             raise ValueError("seed sequential heads from full-precision, tied parallel heads")
         first_temperature = float(parallel.temperatures[0])
         config = HeadsConfig.from_dict({**parallel.config.to_dict(), "head_kind": "sequential", "rank_accuracy": None,

@@ -72,7 +72,7 @@ def cmd_eval_heads(args) -> int:
     # A draft block reads the context: its shards carry the prompt rows too, and the
     # states entering the target layers it reads.
     heads_config = read_heads_config(args.heads)
-    context_rows = CONTEXT_ROWS if heads_config.head_kind == "attention" else 0
+    context_rows = CONTEXT_ROWS if heads_config.kind.keeps_context else 0
     feature_layers = heads_config.feature_layers
     source = Path(args.prompts)
     folders = [Path(f) for f in args.prompts.split(",") if f]

@@ -7,7 +7,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from vllm_mtpspec.config import HEAD_KINDS, reject_unknown_keys
+from vllm_mtpspec.config import reject_unknown_keys
+from vllm_mtpspec.kinds.base import DrafterKind
+from vllm_mtpspec.kinds.registry import kind_named, kind_names
 from vllm_mtpspec.shards import CONTEXT_ROWS
 
 MODES = ("posthoc", "cotrain")
@@ -56,7 +58,7 @@ class TrainConfig:
     batch_rows: int = 32768                    # online: rows per worker's batch of whole answers, padding included
     record_batch_rows: int = 65536             # online: tokens per pass of the target
     # Heads
-    head_kind: str = "parallel"                # "parallel" or "sequential" heads, or an "attention" draft block
+    head_kind: str = "parallel"                # a drafter kind (vllm_mtpspec/kinds/)
     num_heads: int = 4                         # draft depths trained
     tied: bool = True
     head_input: str = "hidden"
@@ -144,23 +146,23 @@ class TrainConfig:
             raise TrainConfigError("int2_method / quantize_aware_steps shape the INT2 copy: set int2_group_size "
                                    "(e.g. 64), or leave them at rtn / 0")
 
-        if self.head_kind not in HEAD_KINDS:
-            raise TrainConfigError(f"head_kind={self.head_kind!r}: choose one of {HEAD_KINDS}")
-        if self.head_kind == "attention":
-            if not self.tied:
-                raise TrainConfigError("head_kind='attention' projects through the target's LM head: set tied=true")
-            if self.quantize_aware_steps:
-                raise TrainConfigError("head_kind='attention': quantization-aware steps train MLP heads only so far; "
-                                       "set quantize_aware_steps to 0 (int2_method 'gptq-refit' calibrates the "
-                                       "block's INT2 copy on the training shards)")
-        elif self.feature_layers:
+        if self.head_kind not in kind_names():
+            raise TrainConfigError(f"head_kind={self.head_kind!r}: choose one of {kind_names()}")
+        kind = self.kind
+        if kind.tied_only and not self.tied:
+            raise TrainConfigError(f"head_kind={self.head_kind!r} projects through the target's LM head: set tied=true")
+        if self.quantize_aware_steps and not kind.quantize_aware_training:
+            raise TrainConfigError(f"head_kind={self.head_kind!r}: quantization-aware steps train MLP heads only so "
+                                   "far; set quantize_aware_steps to 0 (int2_method 'gptq-refit' calibrates the "
+                                   "block's INT2 copy on the training shards)")
+        if self.feature_layers and not kind.reads_layers:
             raise TrainConfigError(f"feature_layers={self.feature_layers} with head_kind={self.head_kind!r}: only an "
                                    "attention draft block reads other layers' states; set head_kind='attention' or "
                                    "leave feature_layers empty")
-        if self.head_kind == "sequential" and (self.head_input != "hidden+token" or not self.tied):
-            raise TrainConfigError(f"head_kind='sequential' with head_input={self.head_input!r}, tied={self.tied}: "
-                                   "each sequential depth reads the token drafted before it through the target's "
-                                   "embedding and LM head; set head_input='hidden+token' and tied=true")
+        if kind.token_conditioned_only and self.head_input != "hidden+token":
+            raise TrainConfigError(f"head_kind={self.head_kind!r} with head_input={self.head_input!r}, "
+                                   f"tied={self.tied}: each depth reads the token drafted before it through the "
+                                   "target's embedding and LM head; set head_input='hidden+token' and tied=true")
         if not 0.0 < self.depth_loss_decay <= 1.0:
             raise TrainConfigError(f"depth_loss_decay={self.depth_loss_decay}: must lie in (0, 1] (1: every depth alike)")
         datas, answers = self.train_data, self.train_answers
@@ -227,6 +229,18 @@ class TrainConfig:
                                    "methods read training shards, which the online path does not write; use "
                                    "int2_method 'rtn', or quantize afterwards with `mtpspec heads quantize "
                                    "--calibration SHARDS`")
+
+    @property
+    def kind(self) -> DrafterKind:
+        """The kind of drafter trained (vllm_mtpspec/kinds/)."""
+        return kind_named(self.head_kind)
+
+    @property
+    def context_rows_read(self) -> int:
+        """The prompt rows the trained drafter reads before each answer from the shards: a
+        drafter that keeps the context reads them, post-hoc (co-trained, it reads the
+        student's states instead)."""
+        return self.context_rows if self.kind.keeps_context and self.mode == "posthoc" else 0
 
     @property
     def train_sources(self) -> list[tuple[str, str | None]]:

@@ -49,7 +49,7 @@ def answer_head_logits(heads: MTPHeads, hidden, tokens, lm_head, embed, chunk: i
     (MTPHeads.lm_head_for, made once by the caller)."""
     project = heads.lm_head_for(lm_head) if isinstance(lm_head, torch.Tensor) else lm_head
     # Sequential heads read every depth's token: the answer's own, along a chain still right.
-    depth_tokens = chain_tokens(tokens.long(), heads.num_heads) if heads.config.head_kind == "sequential" else tokens
+    depth_tokens = chain_tokens(tokens.long(), heads.num_heads) if heads.config.kind.reads_drafted_tokens else tokens
     for start in range(0, hidden.shape[0], chunk):
         h = hidden[start:start + chunk].float()
         e = embed[depth_tokens[start:start + chunk].long()] if heads.config.token_conditioned else None
@@ -92,7 +92,7 @@ def _copy_along(block, shard: dict, j: int, rows: int):
 
 def draft_logits_along(heads, shard: dict, j: int, project, embed):
     """(row slice, logits [rows, k, V]) along answer j of a shard, for any head kind."""
-    if heads.config.head_kind == "attention":
+    if heads.config.kind.keeps_context:
         return block_answer_logits(heads, shard, j, project, embed)
     start, end = int(shard["offsets"][j]), int(shard["offsets"][j + 1])
     return answer_head_logits(heads, shard["hidden"][start:end], shard["tokens"][start:end].long(), project, embed)
@@ -212,8 +212,8 @@ def evaluate_heads(heads, shard_files: list[Path], *, lm_head: torch.Tensor, emb
     heads = heads.float().eval()
     project = heads.lm_head_for(lm_head)
     k = heads.num_heads
-    grown = heads.config.grows_trees and any(name != "chain" for name in trees)
-    if heads.config.chains_only:  # the logits are those along the answer's chain: no fixed shape can be replayed
+    grown = heads.config.kind.grows_trees and any(name != "chain" for name in trees)
+    if heads.config.kind.chains_only:  # the logits are those along the answer's chain: no fixed shape can be replayed
         trees = tuple(name for name in trees if name == "chain")
     defaults = SpecOptions()
     shapes = {name: build_static_shape(name, k, max_nodes=max_tree_nodes, rank_accuracy=heads.config.rank_accuracy)
@@ -297,7 +297,7 @@ def evaluate_heads(heads, shard_files: list[Path], *, lm_head: torch.Tensor, emb
                 tree = dict(max_nodes=max_tree_nodes, top_k=defaults.dynamic_top_k,
                             min_path_prob=defaults.min_path_prob)
                 grown_trees = (block_grown_trees_along(heads, shard, j, project, embed, **tree)
-                               if heads.config.head_kind == "attention" else
+                               if heads.config.kind.keeps_context else
                                grown_trees_along(heads, shard["hidden"][start:end], tokens, project, embed, **tree))
                 lengths = replay_trees(grown_trees.__getitem__, tokens)
                 record("dynamic", lengths, category, bucket, source)

@@ -84,7 +84,7 @@ def _student_held_out(config, student_dir: Path, out: Path) -> list[Path]:
 
     shards_from_answers(student_dir, answers_dir_for(config.held_out_data, config.held_out_answers), out,
                         answers_by=resolve_model(config.model, dtype="fp32"),
-                        context_rows=config.context_rows if config.head_kind == "attention" else 0)
+                        context_rows=config.context_rows if config.kind.keeps_context else 0)
     return list_shards(out)
 
 

@@ -137,7 +137,7 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=logging.WARNING if args.json else logging.INFO,
                         format="%(asctime)s %(name)s: %(message)s")
     block = load_heads(args.heads).float().eval()
-    if block.config.head_kind != "attention":
+    if not block.config.kind.takes_copy_bias:
         parser.error(f"{args.heads}: head_kind={block.config.head_kind!r}; only an attention draft block takes a "
                      "copy bias")
     if not 1 <= args.depth <= block.num_heads:

@@ -42,7 +42,7 @@ class PosthocModule(nn.Module):
         batch = {key: torch.as_tensor(value) for key, value in batch.items()}
         token = batch["token"].to(device).long()
         embeds = None
-        if self.heads.config.head_kind == "sequential":  # each depth reads the answer's token before it
+        if self.heads.config.kind.reads_drafted_tokens:  # each depth reads the answer's token before it
             embeds = self.embed[example_chain_tokens(token, batch["targets"].to(device), self.heads.num_heads)]
         elif self.heads.config.token_conditioned:
             embeds = self.embed[token]
@@ -157,7 +157,7 @@ class CotrainModule(nn.Module):
             total, metrics["kd"] = total + kd, kd.item()
         if self.mtp_weight:
             embed = self.student.get_input_embeddings().weight
-            if self.heads.config.head_kind == "attention":
+            if self.heads.config.kind.keeps_context:
                 drafted = self._block_states(states, answers, embed)[row_b, answers["row_q"].to(device)]
                 projection = lm_head.weight
             else:
@@ -173,7 +173,7 @@ class CotrainModule(nn.Module):
 
     def _head_token_embeds(self, answers: dict, embed: torch.Tensor):
         device = embed.device
-        if self.heads.config.head_kind == "sequential":  # each depth reads the answer's token before it
+        if self.heads.config.kind.reads_drafted_tokens:  # each depth reads the answer's token before it
             return embed[example_chain_tokens(answers["tokens"], answers["targets"], self.heads.num_heads).to(device)]
         if self.heads.config.token_conditioned:
             return embed[answers["tokens"].to(device)]

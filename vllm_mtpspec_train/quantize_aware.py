@@ -31,7 +31,7 @@ def statistics_from_examples(heads: MTPHeads, examples: dict, embed: torch.Tenso
     rows = min(max_rows, len(examples["token"]))
     hidden = torch.as_tensor(examples["hidden"][:rows]).float()
     tokens = torch.as_tensor(examples["token"][:rows])
-    if heads.config.head_kind == "sequential":  # each depth's token, from the rows' own answers
+    if heads.config.kind.reads_drafted_tokens:  # each depth's token, from the rows' own answers
         tokens = example_chain_tokens(tokens, torch.as_tensor(examples["targets"][:rows]), heads.num_heads)
     chunks = ((hidden[i:i + 1024], tokens[i:i + 1024]) for i in range(0, rows, 1024))
     return statistics_from_rows(heads, chunks, embed=embed, lm_head=lm_head), rows
@@ -85,7 +85,7 @@ def int2_copy(heads: MTPHeads, config, train_shards: list[Path], *, lm_head: tor
         return heads.quantized(group_size=config.int2_group_size)
 
     files = train_shards[: config.int2_calibration_shards]
-    if heads.config.head_kind == "attention":  # whole answers with their prompt rows (no QAT: TrainConfig)
+    if heads.config.kind.keeps_context:  # whole answers with their prompt rows (no QAT: TrainConfig)
         from vllm_mtpspec.calibration_data import block_statistics_from_shards
 
         statistics, rows = block_statistics_from_shards(heads.float(), files, 32768, embed=embed, read=[])

@@ -25,6 +25,8 @@ import numpy as np
 import torch
 
 from vllm_mtpspec.answers import list_answer_files
+from vllm_mtpspec.kinds.base import resolve
+from vllm_mtpspec.kinds.registry import kind_named
 from vllm_mtpspec.models import resolve_model
 from vllm_mtpspec.shards import ShardsError, has_context_rows, layer_columns, list_shards
 from vllm_mtpspec.sharegpt import is_held_out
@@ -82,7 +84,7 @@ def _fail_once(loop_config: dict, step: int) -> None:
 
 def _build_module(loop_config: dict):
     from vllm_mtpspec.checkpoint import load_heads
-    from vllm_mtpspec_train.modules import BlockModule, CotrainModule, OnlineBlockModule, PosthocModule
+    from vllm_mtpspec_train.modules import CotrainModule
 
     heads = load_heads(loop_config["init_heads"])
     if loop_config["mode"] == "cotrain":
@@ -98,11 +100,10 @@ def _build_module(loop_config: dict):
     from vllm_mtpspec.weights import embedding_and_lm_head
 
     embed, lm_head = embedding_and_lm_head(loop_config["model_dir"])
-    kind = PosthocModule
-    if heads.config.head_kind == "attention":
-        kind = OnlineBlockModule if loop_config["data_source"] == "online" else BlockModule
-    return kind(heads, lm_head=lm_head, embed=embed, num_negatives=loop_config["num_negatives"],
-                kl_weight=loop_config["kl_weight"], depth_decay=loop_config["depth_loss_decay"])
+    kind = heads.config.kind
+    module = resolve(kind.online_training_module if loop_config["data_source"] == "online" else kind.training_module)
+    return module(heads, lm_head=lm_head, embed=embed, num_negatives=loop_config["num_negatives"],
+                  kl_weight=loop_config["kl_weight"], depth_decay=loop_config["depth_loss_decay"])
 
 
 def _shard_epochs(loop_config: dict, worker):
@@ -123,7 +124,7 @@ def _online_epochs(loop_config: dict, *, rank: int, world_size: int, device: tor
     from vllm_mtpspec_train.online import batch_examples, epoch_batches, record_share, row_examples, seed_of
 
     # A draft block reads whole answers with their prompt rows; heads read answer rows alone.
-    block = loop_config["head_kind"] == "attention"
+    block = kind_named(loop_config["head_kind"]).keeps_context
     examples = batch_examples if block else row_examples
     store = record_share(loop_config["model_dir"], loop_config["train_answers"], rank=rank, world_size=world_size,
                          context_rows=loop_config["context_rows"] if block else 0,
@@ -228,7 +229,7 @@ def ensure_data(config: TrainConfig, model_dir: Path) -> tuple[list[Path], list[
     from vllm_mtpspec_train.data import answers_dir_for, generate_self_distillation
 
     # A co-trained block reads the student's states, not the recorded ones.
-    context_rows = config.context_rows if config.head_kind == "attention" and config.mode == "posthoc" else 0
+    context_rows = config.context_rows_read
     if config.data_source == "online":
         # The workers read the training answers themselves; only the held-out shards, which
         # export calibrates the temperatures on, are built here.
@@ -352,30 +353,24 @@ def initial_heads(config: TrainConfig, heads_base: Path):
     """Fresh heads that start as the model's LM head or, with `init_from`, the heads of an
     earlier run to train further (same shape, same model)."""
     from vllm_mtpspec.checkpoint import check_heads_match_model, load_heads, model_fingerprint
-    from vllm_mtpspec.heads_init import init_heads
     from vllm_mtpspec.target import load_target
 
     if config.init_from is None:
         base = load_target(str(heads_base), dtype="fp32")
-        if config.head_kind == "attention":
-            from vllm_mtpspec.heads_init import init_draft_block
-
-            return init_draft_block(base.model, heads_base, num_heads=config.num_heads, seed=config.seed,
-                                    feature_layers=config.feature_layers)
-        return init_heads(base.model, heads_base, num_heads=config.num_heads, tied=config.tied,
-                          head_input=config.head_input, mlp_size=config.mlp_size, init_std=0.0, seed=config.seed,
-                          head_kind=config.head_kind)
+        return config.kind.initial_heads(base.model, heads_base, num_heads=config.num_heads, seed=config.seed,
+                                         tied=config.tied, head_input=config.head_input, mlp_size=config.mlp_size,
+                                         feature_layers=config.feature_layers)
     heads = load_heads(config.init_from)
     if heads.is_quantized:
         raise TrainConfigError(f"init_from={config.init_from}: INT2 heads cannot train further; "
                                "pass the full-precision heads directory")
-    if config.head_kind == "sequential" and heads.config.head_kind == "parallel" and heads.config.tied:
-        from vllm_mtpspec.sequential_heads import SequentialHeads
-
-        logger.info("init_from=%s: parallel heads; every sequential depth starts as their head 1", config.init_from)
-        heads = SequentialHeads.from_parallel(heads)
+    if heads.config.kind is not config.kind and (seeded := config.kind.seeded_from(heads)) is not None:
+        logger.info("init_from=%s: %s; the %s start from them", config.init_from, heads.config.kind.label,
+                    config.kind.label)
+        heads = seeded
     base_config = json.loads((heads_base / "config.json").read_text())
-    if heads.config.head_kind == config.head_kind == "attention" and config.feature_layers and not heads.feature_layers:
+    if (heads.config.kind is config.kind and config.kind.reads_layers and config.feature_layers
+            and not heads.feature_layers):
         from vllm_mtpspec.heads_init import check_feature_layers, grown_block
 
         check_feature_layers(config.feature_layers, base_config["num_hidden_layers"], where="feature_layers")
@@ -383,10 +378,10 @@ def initial_heads(config: TrainConfig, heads_base: Path):
                     "starting at zero", config.init_from, config.feature_layers)
         heads = grown_block(heads, config.feature_layers)
     asked = {"head_kind": config.head_kind, "num_heads": config.num_heads, "tied": config.tied}
-    if config.head_kind == "attention":
-        asked["feature_layers"] = list(config.feature_layers)
-    else:  # a draft block's shape is the model's layer, not these fields
-        asked.update(head_input=config.head_input, mlp_size=config.mlp_size)
+    # A kind's own shape fields (a draft block's shape is the model's layer, not head_input or mlp_size).
+    asked.update({key: getattr(config, key) for key in config.kind.shape_fields})
+    if "feature_layers" in asked:
+        asked["feature_layers"] = list(asked["feature_layers"])
     found = {key: heads.feature_layers if key == "feature_layers" else getattr(heads.config, key) for key in asked}
     if found != asked:
         differ = sorted(key for key in asked if found[key] != asked[key])
@@ -404,9 +399,9 @@ def _shard_dataset(config: TrainConfig, train_shards: list[Path], held_shards: l
 
     offsets = [torch.load(p, weights_only=True, mmap=True)["offsets"] for p in train_shards]  # reads no states
     num_rows = sum(int(o[-1]) for o in offsets)
-    if config.head_kind == "attention" and config.mode == "posthoc":
+    if config.context_rows_read:
         _require_context_rows(train_shards + held_shards, config)
-    if config.mode == "cotrain" or config.head_kind == "attention":
+    if config.mode == "cotrain" or config.kind.keeps_context:
         # Items are answers: the student, or the draft block, reads each in full.
         # Absolute: Ray Train's workers do not run in the driver's working directory.
         items = [{"path": str(p.absolute()), "answer": j} for p, o in zip(train_shards, offsets)

@@ -20,7 +20,7 @@ def run_demo(*, heads_dir: str, tree: str | None, num_heads: int, max_tree_nodes
     from vllm_mtpspec.models import fetch_model
     from vllm_mtpspec.prompts import load_prompts_jsonl
 
-    tree = tree or read_heads_config(heads_dir).default_tree()
+    tree = tree or read_heads_config(heads_dir).kind.default_tree
 
     model = str(fetch_model("smollm2-135m-instruct", dtype="fp32"))
     prompts = load_prompts_jsonl(DEMO_PROMPTS, limit=limit)

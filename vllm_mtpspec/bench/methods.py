@@ -80,7 +80,7 @@ def build_methods(names: list[str], *, model_dir: str, heads_dirs: list[str], nu
                 heads_config = _heads_config(heads_dir)
                 # No tree asked: each heads directory's own kind picks its preset.
                 method_tree = ("chain" if name == "mtpspec-chain" else tree if tree
-                               else heads_config.default_tree() if heads_config is not None else "consensus")
+                               else heads_config.kind.default_tree if heads_config is not None else "consensus")
                 already_int2 = heads_config is not None and heads_config.quantization is not None
                 if quant != "fp" and already_int2 and "fp" in quants:
                     continue  # the same engine as its "fp" row, which serves (and is labelled) INT2 already
@@ -94,7 +94,7 @@ def build_methods(names: list[str], *, model_dir: str, heads_dirs: list[str], nu
                 int2 = quant != "fp" or already_int2
                 heads_tag = _heads_tag(heads_dir, heads_config, several=len(heads_dirs) > 1)
                 # A tree these heads cannot draft: reported with the reason, as vLLM would refuse it.
-                refusal = heads_config.tree_refusal(method_tree) if heads_config is not None else None
+                refusal = heads_config.kind.tree_refusal(method_tree) if heads_config is not None else None
                 unavailable = unavailable or (f"{heads_dir}/config.json: {refusal}" if refusal else None)
                 budgets = [None] if method_tree == "chain" else max_tree_nodes
                 for k, budget in itertools.product(num_heads, budgets):
@@ -148,7 +148,7 @@ def _heads_tag(heads_dir: str, config, *, several: bool) -> str:
     name = f" [{Path(heads_dir).name}]" if several else ""
     if config is None:
         return name
-    tag = {"attention": " block", "sequential": " sequential"}.get(config.head_kind, "")
+    tag = f" {config.kind.row_tag}" if config.kind.row_tag else ""
     if config.feature_layers:
         tag += f" layers={','.join(map(str, config.feature_layers))}"
     if config.draft_vocab_size:

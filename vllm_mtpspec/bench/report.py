@@ -83,9 +83,8 @@ def heads_memory(heads_dir: str, model_dir: str, int2_dir: str | None, *, name: 
         sizes.append(("int2", (Path(int2_dir) / "heads.safetensors").stat().st_size))
     projection = config.num_heads * config.hidden_size * config.vocab_size
     tag = f" [{name}]" if name else ""
-    if config.head_kind != "parallel":
-        kind = {"attention": "draft block"}.get(config.head_kind, config.head_kind)
-        rows = [(kind + tag, quant, size) for quant, size in sizes]
+    if config.kind.tied_only:
+        rows = [(config.kind.label + tag, quant, size) for quant, size in sizes]
     else:
         bytes_per_weight = {"fp": 2, "int2": 2.5 / 8}
         rows = [row for quant, size in sizes for row in (

@@ -85,9 +85,9 @@ class MTPSpecProposer:
             vocab_size=hf_config.vocab_size,
             num_layers=getattr(hf_config, "num_hidden_layers", None),
         )
-        if (refusal := self.heads_config.tree_refusal(self.options.tree)) is not None:
+        if (refusal := self.heads_config.kind.tree_refusal(self.options.tree)) is not None:
             raise ConfigError(f"{self.options.heads}/config.json: {refusal}, and tree={self.options.tree!r} was asked: "
-                              "use tree='chain'" + (" or tree='dynamic'" if self.heads_config.grows_trees else ""))
+                              "use tree='chain'" + (" or tree='dynamic'" if self.heads_config.kind.grows_trees else ""))
         self.depth = wanted or self.heads_config.num_heads
         self.model_path = model_config.model
         self._model_config = model_config
@@ -187,7 +187,7 @@ class MTPSpecProposer:
         compute_logits, model_dtype = target_model.compute_logits, self.dtype
         self._lm_head = lambda states: compute_logits(states.to(model_dtype))
         self._embed = getattr(target_model, "embed_input_ids", None) or target_model.get_input_embeddings
-        if self.heads.config.head_kind == "attention":
+        if self.heads.config.kind.keeps_context:
             store_mb = self.options.context_store_mb
             store_mb = DEFAULT_CONTEXT_STORE_MB if store_mb is None else store_mb
             self.block_contexts = BlockContexts(self.heads, self._embed,
@@ -345,7 +345,7 @@ class MTPSpecProposer:
                     self._copy_drafts(chained, depth, num_tokens_no_spec, token_ids_cpu)) if chain_rows else None
                 trees = self._block_trees([drafted[n] for n in tree_rows], req_ids, depth,
                                           budget) if tree_rows else []
-            elif self.heads.config.grows_trees:
+            elif self.heads.config.kind.grows_trees:
                 # Each tree node's children come from its own draft step (grown_tree.py).
                 chain_probs = (self._head_probs(hidden_all, [pairs[head_owners[n]] for n in chain_rows],
                                                 sampled_token_ids, depth) if chain_rows else None)
