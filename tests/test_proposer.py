@@ -64,7 +64,7 @@ def test_adaptive_depth_per_request_and_per_batch(make_proposer):
     unsure, _, _ = make_proposer(min_path_prob=0.999)  # no random head is that sure: nothing is drafted
     unsure.capture_step(hidden, None)
     assert unsure.propose([[1]]) == [[]]
-    assert [p.depth_for_batch(n) for n in (1, 4, 5, 8, 9, 16, 32)] == [3, 3, 2, 2, 1, 1, 0]
+    assert [p.draft_size.depth_for_batch(n) for n in (1, 4, 5, 8, 9, 16, 32)] == [3, 3, 2, 2, 1, 1, 0]
 
 
 def test_trees_are_sent_breadth_first_and_remembered_while_blocked_requests_get_chains(make_proposer):
@@ -127,7 +127,7 @@ def test_low_confidence_tree_nodes_are_cut_and_what_stays_is_a_tree(make_propose
 
 def test_trees_shrink_past_the_batch_backoff(make_proposer):
     p, _, model = make_proposer(max_drafts=8, tree="consensus", max_tree_nodes=8)  # backoff from 4 requests
-    assert [p.tree_budget_for_batch(n) for n in (1, 4, 5, 8, 9, 16, 64)] == [8, 8, 4, 4, 2, 2, 1]
+    assert [p.draft_size.tree_budget_for_batch(n) for n in (1, 4, 5, 8, 9, 16, 64)] == [8, 8, 4, 4, 2, 2, 1]
     p.capture_step(torch.randn(9, model.config.hidden_size), None, [str(i) for i in range(9)])
     drafts = p.propose([[1]] * 9)
     assert all(len(d) <= 2 for d in drafts) and any(drafts)
@@ -215,7 +215,7 @@ def test_while_the_planner_rests_the_heads_only_lookup_drafts_are_offered(make_p
     import numpy as np
 
     p, heads, model = make_proposer(draft_size="planned", batch_backoff_start=1, prompt_lookup_max=3)
-    p.planner.wants_heads = lambda batch_size, sampled: False
+    p.planner.heads_would_run = lambda batch_size, sampled: False
     calls = []
     original_hidden = p.heads.hidden
     p.heads.hidden = lambda *a, **k: calls.append(1) or original_hidden(*a, **k)

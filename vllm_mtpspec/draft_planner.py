@@ -173,16 +173,23 @@ class PayGate:
     def pays(self, tokens_per_second: float) -> bool:
         return self.gain.value > tokens_per_second * self.seconds.value
 
-    def wants(self, tokens_per_second: float | None) -> bool:
-        self.checking = False
+    def _asked(self, tokens_per_second: float | None) -> tuple[bool, int, bool]:
+        """What `wants` answers now, and the resting count and checking flag it leaves."""
         if tokens_per_second is None or self.gain.samples < self.warmup_runs:
-            return True
+            return True, self.resting, False
         if self.pays(tokens_per_second):
-            self.resting = 0
-            return True
-        self.resting += 1
-        self.checking = self.resting % self.explore_every == 0
-        return self.checking
+            return True, 0, False
+        resting = self.resting + 1
+        checking = resting % self.explore_every == 0
+        return checking, resting, checking
+
+    def would_want(self, tokens_per_second: float | None) -> bool:
+        """What `wants` would answer now, without counting this step."""
+        return self._asked(tokens_per_second)[0]
+
+    def wants(self, tokens_per_second: float | None) -> bool:
+        wanted, self.resting, self.checking = self._asked(tokens_per_second)
+        return wanted
 
 
 @dataclass(frozen=True)
@@ -346,6 +353,15 @@ class DraftPlanner:
         if self._gate(self._proposal_gates, batch_size, sampled).checking:
             return True
         return self._gate(self._heads_gates, batch_size, sampled).wants(self.tokens_per_second(batch_size, sampled))
+
+    def heads_would_run(self, batch_size: int, sampled: bool) -> bool:
+        """What wants_heads would answer now, without counting this step: asked before
+        prompt lookup has shown whether any request needs the heads; wants_heads counts
+        the step once one did."""
+        if self._gate(self._proposal_gates, batch_size, sampled).checking:
+            return True
+        return self._gate(self._heads_gates, batch_size, sampled).would_want(
+            self.tokens_per_second(batch_size, sampled))
 
     def wants_proposal(self, batch_size: int, sampled: bool) -> bool:
         """Whether to propose at all this step (look up, run the heads, plan): while the

@@ -16,30 +16,24 @@ Drafts are the heads' candidates:
 - prompt lookup (lookup.py, when prompt_lookup_max is set): where the context's last
   tokens occurred before, what followed them is the request's draft, as a chain, and
   the heads are not run for it.
-How much to draft (`draft_size`) follows one of two rules. "fixed": chain depth and
-tree size shrink for large batches, where verifying extra tokens stops being free (sooner
-on CPUs). "planned": from batch_backoff_start requests up, the draft planner
-(draft_planner.py) gives each request the drafts whose expected accepted tokens are worth
-the verify time they add, by step costs it measures while serving, and skips the whole
-proposal (lookup included) for kinds of batch where no drafts have paid for its time;
-smaller batches draft whole chains. In a batch whose requests started together, only
-those that have made the fewest tokens are offered to the planner (cohort.py).
+How much to draft is the draft-size rule's (draft_size.py): asked once before drafting,
+told once after it.
 """
 from __future__ import annotations
 
 import dataclasses
-import math
-import time
 from collections.abc import Callable
 from functools import cached_property
+from typing import Any
 
 import torch
 
 from vllm_mtpspec.checkpoint import load_heads
-from vllm_mtpspec.cohort import GREEDY_PACED_FROM, CohortPacer
+from vllm_mtpspec.cohort import CohortPacer
 from vllm_mtpspec.config import ConfigError
 from vllm_mtpspec.copy_bias import copy_drafts
 from vllm_mtpspec.draft_planner import Candidate, DraftPlanner
+from vllm_mtpspec.draft_size import Allowance, Drafted, DraftSizeRule, StepView, draft_size_rule
 from vllm_mtpspec.draft_vocab import SlicedLMHead
 from vllm_mtpspec.lookup import lookup_draft
 from vllm_mtpspec.quant.int8_dynamic import Int8Linear, int8_linears
@@ -100,7 +94,6 @@ class MTPSpecProposer:
         self._chain_builder: DraftTreeBuilder | None = None  # built in load_model
         self._tree_builder: DraftTreeBuilder | None = None
         self.uses_trees = self.options.tree != "chain"
-        self.batch_backoff_start = self.options.batch_backoff_start or default_backoff_start()
         if self.uses_trees and (reason := platform_blocker()):
             logger.warning("mtpspec: %s", reason)
             self.uses_trees = False
@@ -123,25 +116,12 @@ class MTPSpecProposer:
         # The largest tree a step may send: the user's node budget within vLLM's.
         self.max_tree_budget = min(self.options.max_tree_nodes, self.max_drafts)
         self.draft_size_rule = self.options.draft_size_rule(default_draft_size())
-        self.planner = DraftPlanner(self.depth) if self.draft_size_rule == "planned" else None
-        # Unset: "default" where the planner plans (sampled batches, and greedy ones from
-        # GREEDY_PACED_FROM requests up).
-        self.pacing = self.options.pace_cohorts or ("default" if self.planner is not None else "never")
-        if self.pacing != "never" and self.planner is None:
-            raise ConfigError(f"pace_cohorts={self.pacing!r} paces the planner's drafts, and this engine's draft "
-                              f"size is {self.draft_size_rule!r}: give draft_size='planned', or "
-                              "pace_cohorts='never'")
-        self.pacer = CohortPacer() if self.pacing != "never" else None
-        self._paced: tuple[int, int] | None = None  # (may draft, running) at the last paced step
-        self.paced_steps = 0  # steps paced so far
-        self._last_size_log = time.monotonic()  # when the planner last logged what it knows
-        start = self.batch_backoff_start
-        logger.info("mtpspec: draft size %s: %s", self.draft_size_rule, {
-            "fixed": f"whole drafts up to {start} running requests, one token fewer (half the tree nodes) per "
-                     "doubling past it",
-            "planned": f"whole chains below {start} running requests; from {start} up, each request's drafts as "
-                       "far as their expected tokens are worth the verify time they add (measured while serving)",
-        }[self.draft_size_rule])
+        self.draft_size: DraftSizeRule = draft_size_rule(
+            self.draft_size_rule, depth=self.depth, max_tree_budget=self.max_tree_budget,
+            batch_backoff_start=self.options.batch_backoff_start or default_backoff_start(),
+            pacing=self.options.pace_cohorts, log=lambda line: logger.info("mtpspec: draft planner: %s", line))
+        self._rule_on_rank_zero = self.draft_size.one_rank_decides
+        logger.info("mtpspec: draft size %s: %s", self.draft_size_rule, self.draft_size.describe())
 
     @property
     def feature_layers(self) -> list[int]:
@@ -149,23 +129,37 @@ class MTPSpecProposer:
         at load (hooks.install_layer_states_hook) and hands them over every step."""
         return self.heads_config.feature_layers
 
+    # The draft-size rule's planner and cohort pacer, where it has them (read by tests and benchmarks).
+    @property
+    def planner(self) -> DraftPlanner | None:
+        return getattr(self.draft_size, "planner", None)
+
+    @property
+    def pacer(self) -> CohortPacer | None:
+        return getattr(self.draft_size, "pacer", None)
+
+    @property
+    def pacing(self) -> str:
+        return getattr(self.draft_size, "pacing", "never")
+
+    @property
+    def paced_steps(self) -> int:
+        return getattr(self.draft_size, "paced_steps", 0)
+
     def forget(self, req_id: str) -> None:
         """A request finished or was aborted: nothing of it is kept (but a draft block's
         entries, which the context store keeps for later requests with the same prefix)."""
         self.proposed_trees.pop(req_id, None)
         if self.block_contexts is not None:
             self.block_contexts.leave(req_id)
-        if self.planner is not None:
-            self.planner.forget(req_id)
+        self.draft_size.forget(req_id)
 
     def held_requests(self) -> set[str]:
         """The requests the proposer keeps any state for."""
         held = set(self.proposed_trees)
         if self.block_contexts is not None:
             held |= self.block_contexts.held_requests()
-        if self.planner is not None:
-            held |= self.planner.held_requests()
-        return held
+        return held | self.draft_size.held_requests()
 
     def load_model(self, target_model) -> None:
         if self.uses_trees:
@@ -249,60 +243,38 @@ class MTPSpecProposer:
         self._is_sampled = sampled
         self._budget = budget
 
-    def _doublings_past_backoff(self, num_requests: int) -> int:
-        start = self.batch_backoff_start
-        return math.ceil(math.log2(num_requests / start)) if num_requests > start else 0
-
-    def depth_for_batch(self, num_requests: int) -> int:
-        """One draft token fewer per doubling of the batch past batch_backoff_start."""
-        return max(self.depth - self._doublings_past_backoff(num_requests), 0)
-
-    def tree_budget_for_batch(self, num_requests: int) -> int:
-        """Half the tree nodes per doubling of the batch past batch_backoff_start."""
-        return max(self.max_tree_budget >> self._doublings_past_backoff(num_requests), 1)
-
-    def _draft_size(self, num_requests: int, sampled: list[bool] | None = None) -> tuple[int, int]:
-        """(chain depth, tree node budget) for this step."""
-        if sampled is not None:  # the planner plans this step: it cuts each request's chain itself, or rests
-            # Its step costs are timed by this process's clock: rank 0 decides for every
-            # tensor-parallel rank (parallel.py).
-            proposing = self._rank_zero(lambda: self.planner.wants_proposal(num_requests, any(sampled)))
-            return (self.depth, 0) if proposing else (0, 0)
-        return self.depth_for_batch(num_requests), self.tree_budget_for_batch(num_requests)
-
     @cached_property
     def _rank_zero(self) -> RankZeroDecision:
         # Resolved at the first drafted step: the worker's distributed state exists by then.
         return RankZeroDecision(tensor_parallel_group())
 
-    def _plans(self, num_requests: int) -> bool:
-        """Whether the planner decides this step's drafts: from batch_backoff_start requests
-        up. Below it a chain costs little next to the step and every whole chain pays on
-        average (benchmarks/RESULTS.md, "The planner from the back-off start"), so the fixed
-        rule's whole chains go out, and the planner's gates, fed by timings that another
-        process's work can skew for minutes, are not relied on there."""
-        return self.planner is not None and num_requests >= self.batch_backoff_start
+    def _ask_rule(self, ask: Callable[[], Any]) -> Any:
+        """The draft-size rule's answer. A rule that decides from state one rank alone holds
+        (the planner's clock) is asked on rank 0 only and every rank takes its answer
+        (parallel.py); the other ranks' rules stay idle, since nothing is ever decided from
+        what they would have learnt."""
+        return self._rank_zero(ask) if self._rule_on_rank_zero else ask()
 
     @torch.inference_mode()
     def propose(self, sampled_token_ids, num_tokens_no_spec=None, token_ids_cpu=None, slot_mappings=None, **_) -> list[list[int]]:
-        if self.pacer is not None:
-            self.pacer.step(self._batch_ids(len(sampled_token_ids)))
-        if not self._plans(len(sampled_token_ids)):
-            if self.planner is not None:
-                self.planner.step_not_planned()
-            return self._propose(sampled_token_ids, num_tokens_no_spec, token_ids_cpu)
-        sampled = [self._request_samples(i) for i in range(len(sampled_token_ids))]
-        self.planner.observe_step(self._batch_ids(len(sampled_token_ids)), [len(t) for t in sampled_token_ids],
-                                  self._num_draft_tokens, sampled, timed=self._step_was_decode_only)
-        try:
-            return self._propose(sampled_token_ids, num_tokens_no_spec, token_ids_cpu, sampled)
-        finally:
-            self.planner.verify_started()
+        num_requests = len(sampled_token_ids)
+        view = StepView(
+            tuple(self._batch_ids(num_requests)), tuple(len(t) for t in sampled_token_ids),
+            None if self._num_draft_tokens is None else tuple(self._num_draft_tokens),
+            tuple(self._request_samples(i) for i in range(num_requests)), self._step_was_decode_only,
+            None if self._budget is None else tuple(self._budget(i) for i in range(num_requests)))
+        # Asked first thing: the step that just ended is timed up to here.
+        allowance = self._ask_rule(lambda: self.draft_size.before_drafting(view))
+        drafts, chains, drafted = self._propose(sampled_token_ids, num_tokens_no_spec, token_ids_cpu, view, allowance)
+        lengths = self._ask_rule(lambda: self.draft_size.after_drafting(drafted))
+        for i, chain in chains.items():
+            self._send_draft(i, chain_tree(lengths[i]), list(chain.tokens[:lengths[i]]), drafts, self._req_ids)
+        return drafts
 
-    def _propose(self, sampled_token_ids, num_tokens_no_spec, token_ids_cpu,
-                 sampled: list[bool] | None = None) -> list[list[int]]:
-        """sampled: whether each request samples, given where the planner plans this step."""
-        planner = self.planner if sampled is not None else None
+    def _propose(self, sampled_token_ids, num_tokens_no_spec, token_ids_cpu, view: StepView, allowance: Allowance
+                 ) -> tuple[list[list[int]], dict[int, Candidate], Drafted]:
+        """The drafts within the allowance: trees already in place, chains by request still
+        to be cut to the rule's lengths, and what the rule is told of them."""
         hidden_all = self._sample_hidden_states
         self._sample_hidden_states = None
         drafts: list[list[int]] = [[] for _ in sampled_token_ids]
@@ -311,26 +283,26 @@ class MTPSpecProposer:
         live = None if req_ids is None else set(req_ids)
         if live is not None:
             self.proposed_trees = {r: t for r, t in self.proposed_trees.items() if r in live}
-        depth, budget = self._draft_size(len(sampled_token_ids), sampled)
+        depth, budget = allowance.depth, allowance.tree_budget
         if hidden_all is None or depth == 0:
-            return drafts
-        # The planner's own clock: what it compares drafting against is timed by it too.
-        clock = planner.clock if planner is not None else time.perf_counter
+            return drafts, {}, Drafted(None)
+        # The rule's own clock: what it compares drafting against is timed by it too.
+        clock = self.draft_size.clock
         proposing_started = clock()
         pairs = last_sampled_rows(sampled_token_ids, self._num_draft_tokens, hidden_all.shape[0],
                                   {i: path[-1] for i, path in self._tree_paths.items()})
-        if planner is not None:
-            pairs = self._paced_pairs(pairs, sampled)
+        if allowance.may_draft is not None:
+            pairs = [(i, row) for i, row in pairs if allowance.may_draft[i]]
         if not pairs:
-            return drafts
+            return drafts, {}, Drafted(None)
         owners = [i for i, _ in pairs]
         # Where the context repeats, its continuation is the draft and the heads are not
         # run at all (no LM-head projection for that request).
-        chains = {j: Candidate("lookup", False, len(tokens), tokens=tuple(tokens))
+        chains = {j: Candidate("lookup", view.sampled[owners[j]], len(tokens), tokens=tuple(tokens))
                   for j, tokens in self._lookup_drafts(owners, depth, num_tokens_no_spec, token_ids_cpu).items()}
         head_owners = [j for j in range(len(owners)) if j not in chains]
-        if head_owners and planner is not None and not self._rank_zero(
-                lambda: planner.wants_heads(len(sampled_token_ids), any(sampled))):
+        heads_needed = bool(head_owners)
+        if not allowance.heads:
             head_owners = []
         drafting_started = clock()
         if head_owners:
@@ -358,35 +330,16 @@ class MTPSpecProposer:
                                                  token_ids=self._draft_ids) if tree_rows else []
             chains_built = self._chain_builder.chains(chain_probs, token_ids=self._draft_ids) if chain_rows else []
             for n, (tokens, path) in zip(chain_rows, chains_built):
-                chains[head_owners[n]] = Candidate("heads", False, len(tokens), tuple(path), tuple(tokens))
+                j = head_owners[n]
+                chains[j] = Candidate("heads", view.sampled[owners[j]], len(tokens), tuple(path), tuple(tokens))
             for n, (shape, tokens) in zip(tree_rows, trees):
                 i = owners[head_owners[n]]
                 self._send_draft(i, *self._tree_within_budget(i, shape, list(tokens)), drafts, req_ids)
         chains = self._within_budgets(chains, owners)
-        if planner is not None:
-            chains = self._planned(chains, owners, sampled, clock() - drafting_started if head_owners else 0.0)
-            planner.proposal_took(clock() - proposing_started)
-        for j, chain in chains.items():
-            self._send_draft(owners[j], chain_tree(chain.length), list(chain.tokens[:chain.length]), drafts, req_ids)
-        return drafts
-
-    def _paced_pairs(self, pairs: list[tuple[int, int]], sampled: list[bool]) -> list[tuple[int, int]]:
-        """The (request, row) pairs that may draft this step: in a batch that started together
-        (with a sampled request, or by default also a greedy one of GREEDY_PACED_FROM
-        requests or more, or any with pace_cohorts='always'), those that have made the fewest
-        tokens (cohort.py); else all. Every tensor-parallel rank reads the same batch and
-        counts, so every rank drafts for the same requests."""
-        self._paced = None
-        if self.pacer is None or self._budget is None or not self.pacer.is_cohort:
-            return pairs
-        if self.pacing == "sampled" and not any(sampled):
-            return pairs
-        if self.pacing == "default" and not any(sampled) and len(sampled) < GREEDY_PACED_FROM:
-            return pairs
-        may = self.pacer.may_draft([self._budget(i) for i in range(len(sampled))], slack=self.depth)
-        self._paced = (sum(may), len(sampled))
-        self.paced_steps += 1
-        return [(i, row) for i, row in pairs if may[i]]
+        drafting_seconds = clock() - drafting_started if head_owners else 0.0
+        by_request = {owners[j]: chain for j, chain in chains.items()}
+        offered = tuple(by_request.get(i) for i in range(len(sampled_token_ids)))
+        return drafts, by_request, Drafted(offered, heads_needed, drafting_seconds, clock() - proposing_started)
 
     def _room(self, batch_index: int) -> int | None:
         """How deep a request's drafts can still be kept (None: no max_tokens). The next
@@ -414,22 +367,6 @@ class MTPSpecProposer:
         if room is None:
             return shape, tokens
         return shape.limit_depth(room), [token for path, token in zip(shape.paths, tokens) if len(path) <= room]
-
-    def _planned(self, chains: dict[int, Candidate], owners: list[int], sampled: list[bool],
-                 drafting_seconds: float) -> dict[int, Candidate]:
-        """The chains cut to the planner's lengths (decided on rank 0 for every rank)."""
-        offered: list[Candidate | None] = [None] * len(sampled)
-        for j, chain in chains.items():
-            offered[owners[j]] = dataclasses.replace(chain, sampled=sampled[owners[j]])
-        lengths = self._rank_zero(lambda: self.planner.plan(self._batch_ids(len(sampled)), offered,
-                                                            sampled=any(sampled), drafting_seconds=drafting_seconds))
-        if self._rank_zero.decides_here and time.monotonic() - self._last_size_log >= 60:
-            self._last_size_log = time.monotonic()
-            paced = ("" if self._paced is None else
-                     f"; the batch started together: {self._paced[0]} of {self._paced[1]} requests, those that "
-                     "have made the fewest tokens, may draft")
-            logger.info("mtpspec: draft planner: %s%s", self.planner.describe(), paced)
-        return {j: dataclasses.replace(chain, length=lengths[owners[j]]) for j, chain in chains.items()}
 
     def _feed_block(self, req_ids, num_tokens_no_spec, token_ids_cpu) -> None:
         """Every step, drafted or not: the draft block takes the accepted rows (block_context.py)."""
