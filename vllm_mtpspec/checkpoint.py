@@ -15,6 +15,7 @@ from safetensors.torch import save_file
 
 from vllm_mtpspec.config import ConfigError, HeadsConfig, layers_beyond
 from vllm_mtpspec.draft_vocab import check_id_map
+from vllm_mtpspec.eagle3_format import eagle3_format, eagle3_heads_config, eagle3_state, is_eagle3_dir, weights_file
 from vllm_mtpspec.heads import DraftModule
 from vllm_mtpspec.weights import EMBED, read_tensor
 
@@ -40,7 +41,10 @@ def save_heads(heads: DraftModule, out_dir: str | Path) -> Path:
     return out
 
 
-def read_heads_config(heads_dir: str | Path) -> HeadsConfig:
+def read_heads_config(heads_dir: str | Path, *, target_layers: int | None = None) -> HeadsConfig:
+    """The heads config of a heads directory, or of a published EAGLE-3 drafter's folder
+    (eagle3_format.py; target_layers: the served model's layer count, for the layers it
+    reads where the checkpoint names none)."""
     path = Path(heads_dir)
     if not path.is_dir():
         raise HeadsError(
@@ -55,17 +59,25 @@ def read_heads_config(heads_dir: str | Path) -> HeadsConfig:
     except json.JSONDecodeError as err:
         raise HeadsError(f"{config_path} is not valid JSON ({err}); re-export the heads") from None
     try:
+        if eagle3_format(raw) is not None:
+            return eagle3_heads_config(raw, source=str(config_path), target_layers=target_layers)
         return HeadsConfig.from_dict(raw, source=str(config_path))
     except ConfigError as err:
         message = str(err)  # every refusal names the file it came from
         raise HeadsError(message if message.startswith(str(config_path)) else f"{config_path}: {message}") from None
 
 
-def load_heads(heads_dir: str | Path, *, device: str | torch.device = "cpu", dtype: torch.dtype | None = None) -> DraftModule:
-    """Loads heads (FP or INT2; INT2 stays packed) and checks every tensor against config.json."""
+def load_heads(heads_dir: str | Path, *, device: str | torch.device = "cpu", dtype: torch.dtype | None = None,
+               target_layers: int | None = None) -> DraftModule:
+    """Loads heads (FP or INT2; INT2 stays packed), or a published EAGLE-3 drafter, and
+    checks every tensor against config.json."""
     path = Path(heads_dir)
-    config = read_heads_config(path)
-    weights_path = path / WEIGHTS_FILE
+    config = read_heads_config(path, target_layers=target_layers)
+    eagle3 = is_eagle3_dir(path)
+    try:
+        weights_path = weights_file(path) if eagle3 else path / WEIGHTS_FILE
+    except ConfigError as err:
+        raise HeadsError(str(err)) from None
     if not weights_path.is_file():
         raise HeadsError(f"{weights_path} is missing; re-export the heads")
     try:
@@ -75,6 +87,11 @@ def load_heads(heads_dir: str | Path, *, device: str | torch.device = "cpu", dty
         raise HeadsError(
             f"{weights_path} is corrupt or truncated ({err}); re-export the heads or fetch the file again"
         ) from None
+    if eagle3:
+        try:
+            state = eagle3_state(state, json.loads((path / CONFIG_FILE).read_text()), config, source=str(weights_path))
+        except ConfigError as err:
+            raise HeadsError(str(err)) from None
     heads = config.kind.build(config)
     expected = heads.state_dict()
     missing = sorted(set(expected) - set(state))

@@ -132,6 +132,28 @@ def cmd_heads_quantize(args) -> int:
 STORAGE_DTYPES = {"fp16": "float16", "bf16": "bfloat16", "fp32": "float32"}
 
 
+def cmd_heads_export_eagle3(args) -> int:
+    from vllm_mtpspec.checkpoint import HeadsError, load_heads
+    from vllm_mtpspec.eagle3_format import with_own_lm_head, write_speculators
+    from vllm_mtpspec.models import resolve_model
+    from vllm_mtpspec.weights import embedding_and_lm_head
+
+    layer = load_heads(args.dir)
+    if layer.config.kind.stock_vllm_method != "eagle3" or layer.is_quantized:
+        raise HeadsError(f"{args.dir}: {layer.config.kind.label}{' in INT2' if layer.is_quantized else ''}; "
+                         "stock vLLM's eagle3 method serves full-precision EAGLE-3 layers only (head_kind 'eagle3')")
+    model = None
+    if layer.lm_head is None:  # tied: the target's LM-head rows are written out in full
+        if not args.model:
+            raise SystemExit(f"{args.dir} drafts through the target's LM head: pass --model (the served model) so "
+                             "that its rows can be written into the drafter")
+        model = resolve_model(args.model, dtype="fp32")
+        layer = with_own_lm_head(layer, embedding_and_lm_head(model)[1])
+    print(write_speculators(layer, args.out, verifier=str(model or args.model or ""),
+                            speculative_tokens=args.num_speculative_tokens))
+    return 0
+
+
 def cmd_heads_cast(args) -> int:
     import torch
 
@@ -405,6 +427,18 @@ def build_parser() -> argparse.ArgumentParser:
                    help="comma-separated folders of answer files to count (default: the training answers)")
     p.add_argument("--out", required=True)
     p.set_defaults(func=cmd_heads_draft_vocab)
+    p = heads.add_parser("export-eagle3", help="write an eagle3 drafter in the speculators format stock vLLM serves",
+                         description="Writes an EAGLE-3 layer (head_kind 'eagle3') as a speculators-format folder "
+                                     "(config.json + model.safetensors) that vLLM serves with "
+                                     "{\"method\": \"eagle3\", \"model\": OUT} and no plugin. A layer tied to the "
+                                     "target's LM head gets the target's rows at its draft vocabulary written out.")
+    p.add_argument("dir", help="the eagle3 heads directory")
+    p.add_argument("--out", required=True, help="the folder to write")
+    p.add_argument("--model", default=None, help="the served model (a known name or an HF folder): needed for a "
+                                                 "tied layer, whose LM-head rows are the target's")
+    p.add_argument("--num-speculative-tokens", type=int, default=3,
+                   help="the draft depth written as the speculators config's proposal (default 3)")
+    p.set_defaults(func=cmd_heads_export_eagle3)
     p = heads.add_parser("cast", help="write a copy of a heads directory with its weights stored in fp16/bf16",
                          description="Halves the file; the heads run in the target's dtype whatever they are "
                                      "stored in (vLLM and the reference decoder cast them when loading).")

@@ -102,6 +102,9 @@ class BlockConfig:
     # low, middle and high features: what layer l receives, vLLM's aux_hidden_states for
     # l). Empty: the final state only.
     feature_layers: list[int] = field(default_factory=list)
+    # EAGLE-3 layers only (eagle3_layer.py): the residual stream starts at the normalized
+    # hidden state rather than the raw one (the speculators format's default).
+    norm_before_residual: bool = False
 
     def __post_init__(self) -> None:
         for name in ("attention_heads", "kv_heads", "head_dim", "mlp_size", "window"):
@@ -188,7 +191,7 @@ class HeadsConfig:
         if not 0 <= self.draft_vocab_size <= self.vocab_size:
             raise ConfigError(f"draft_vocab_size={self.draft_vocab_size}: must lie in 0..vocab_size={self.vocab_size} "
                               "(0: the whole vocabulary)")
-        if self.draft_vocab_size and not self.tied:
+        if self.draft_vocab_size and not self.tied and not kind.own_head_vocabulary:
             raise ConfigError(f"draft_vocab_size={self.draft_vocab_size} with tied=false: a draft vocabulary is "
                               "built for tied heads (they slice the target's LM head); set draft_vocab_size=0")
 

@@ -181,7 +181,11 @@ class DraftBlock(DraftModule):
     def dtype(self) -> torch.dtype:
         """What the block computes in: its norms' dtype (its matrices' too, unless they are
         INT2 codes or INT8 copies, which take and give this dtype)."""
-        return self.feature_norm.weight.dtype
+        return self.output_norm.weight.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.output_norm.weight.device
 
     # ------------------------------------------------------------------ pieces
     def fused_inputs(self, features: torch.Tensor, token_embeds: torch.Tensor,
@@ -209,7 +213,7 @@ class DraftBlock(DraftModule):
         """x [B, T, d] at positions [B, T] -> q [B, H, T, hd], k and v [B, KV, T, hd].
         qkv: q_proj, k_proj and v_proj as one product (drafting's fused projections)."""
         cfg = self.block_config
-        h = self.attention_norm(x)
+        h = self.attention_input(x)
         if qkv is None:
             q, k, v = self.q_proj(h), self.k_proj(h), self.v_proj(h)
         else:
@@ -221,6 +225,14 @@ class DraftBlock(DraftModule):
         v = v.reshape(b, t, cfg.kv_heads, cfg.head_dim).transpose(1, 2)
         cos, sin = rotary(positions.unsqueeze(1), cfg.head_dim, cfg.rope_theta, q.dtype)
         return rotate(q, cos, sin), rotate(k, cos, sin), v
+
+    def attention_input(self, x: torch.Tensor) -> torch.Tensor:
+        """What q, k and v are computed from: the residual stream x, normalized."""
+        return self.attention_norm(x)
+
+    def logits(self, g: torch.Tensor, project) -> torch.Tensor:
+        """The draft logits of an output g: the target's LM head (project) reads g as it is."""
+        return project(g)
 
     def _expand_kv(self, kv: torch.Tensor) -> torch.Tensor:
         """[B, KV, ..., hd] -> [B, H, ..., hd]: each key/value head serves its query group."""
@@ -291,7 +303,7 @@ class DraftBlock(DraftModule):
     def empty_cache(self, device=None, dtype=None) -> BlockCache:
         """A cache with no entries, on the block's device and in its dtype unless told."""
         cfg = self.block_config
-        device, dtype = device or self.feature_norm.weight.device, dtype or self.dtype
+        device, dtype = device or self.device, dtype or self.dtype
         empty = torch.zeros(cfg.kv_heads, 0, cfg.head_dim, device=device, dtype=dtype)
         return BlockCache(keys=empty, values=empty.clone())
 
@@ -458,7 +470,7 @@ class DraftBlock(DraftModule):
         g, logits = newest, []
         following = None if copy is None else torch.ones(len(caches), dtype=torch.bool, device=newest.device)
         for j in range(depth):
-            logits.append(project(g))
+            logits.append(self.logits(g, project))
             if copy is not None:
                 logits[-1] = copy_bias.lean(logits[-1], copy[0][:, j], copy[1], following, draft_ids)
             if j + 1 == depth:
@@ -499,7 +511,7 @@ class DraftBlock(DraftModule):
         batch = len(caches)
 
         def probs(i: int, g: torch.Tensor) -> torch.Tensor:
-            return torch.softmax(project(g).float() / temperatures[i], dim=-1)
+            return torch.softmax(self.logits(g, project).float() / temperatures[i], dim=-1)
 
         def step(i: int, states: torch.Tensor, tokens: torch.Tensor):
             if i == 0:
@@ -511,14 +523,14 @@ class DraftBlock(DraftModule):
             else:
                 x = self.fused_inputs(g, embed(tokens))
             positions = torch.tensor([c.length + i - 1 for c in caches], device=x.device)[:, None].expand(batch, nodes)
-            q, k, v = self._qkv(x.view(batch, nodes, d), positions, None if drafting is None else drafting.qkv)
+            q, k, v = self._qkv(x.view(batch, nodes, -1), positions, None if drafting is None else drafting.qkv)
             # Each node's path entries [B, F, i, KV, hd]: its ancestors' (from its state), then its own.
             own_k, own_v = (t.transpose(1, 2)[:, :, None] for t in (k, v))                 # [B, F, 1, KV, hd]
             path_shape = (batch, nodes, i - 1, cfg.kv_heads, cfg.head_dim)
             path_k = torch.cat([states[:, d:d + (i - 1) * entry].reshape(path_shape), own_k], 2)
             path_v = torch.cat([states[:, d + (i - 1) * entry:].reshape(path_shape), own_v], 2)
             attended = self._attend_paths(q, caches, path_k, path_v, i)
-            g = self._finish(x.view(batch, nodes, d), attended, None if drafting is None else drafting.gate_up)
+            g = self._finish(x.view(batch, nodes, -1), attended, None if drafting is None else drafting.gate_up)
             g = g.reshape(batch * nodes, d)
             carried = torch.cat([g, path_k.reshape(batch * nodes, -1), path_v.reshape(batch * nodes, -1)], -1)
             return carried, probs(i, g)

@@ -107,6 +107,42 @@ def init_draft_block(model, model_dir: str | Path, *, num_heads: int, window: in
     return block
 
 
+def init_eagle3_layer(model, model_dir: str | Path, *, num_heads: int, seed: int = 0,
+                      feature_layers: list[int] | tuple[int, ...] = (), tied: bool = True,
+                      window: int | None = None):
+    """A fresh EAGLE-3 layer (random weights, as EAGLE-3 training starts) shaped like one
+    of the model's decoder layers, reading feature_layers (default: vLLM's three). Tied: it
+    drafts through the target's LM head; else through its own, a copy of it."""
+    from vllm_mtpspec.draft_block import block_config_for
+    from vllm_mtpspec.eagle3_format import eagle3_default_layers
+    from vllm_mtpspec.eagle3_layer import Eagle3Layer
+
+    cfg = model.config
+    feature_layers = list(feature_layers) or eagle3_default_layers(cfg.num_hidden_layers)
+    check_feature_layers(feature_layers, cfg.num_hidden_layers, where="feature_layers")
+    block = block_config_for(cfg, window=window or cfg.max_position_embeddings, feature_layers=feature_layers)
+    block.norm_before_residual = True
+    config = HeadsConfig(
+        num_heads=num_heads,
+        hidden_size=cfg.hidden_size,
+        vocab_size=cfg.vocab_size,
+        tied=tied,
+        head_kind="eagle3",
+        head_input="hidden+token",
+        block=block,
+        base_model_fingerprint=model_fingerprint(model_dir),
+        base_model_name=model_display_name(model_dir),
+        base_model_num_params=sum(p.numel() for p in model.parameters()),
+    )
+    with torch.random.fork_rng():
+        torch.manual_seed(seed)
+        layer = Eagle3Layer(config)
+    if not tied:
+        with torch.no_grad():
+            layer.lm_head.weight.copy_(model.get_output_embeddings().weight.detach().float())
+    return layer
+
+
 def check_feature_layers(feature_layers, num_layers: int, *, where: str) -> None:
     """Refuses layer indices the target does not have (its layers are 0 .. num_layers - 1)."""
     beyond = layers_beyond(feature_layers, num_layers)

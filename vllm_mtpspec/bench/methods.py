@@ -6,6 +6,9 @@
 - ngram: vLLM's prompt lookup (n-gram) proposer.
 - suffix: vLLM's suffix decoding (needs the arctic-inference package).
 - draft: vLLM's draft-model method with a truncated copy of the target (draft_model.py).
+- eagle3: vLLM's own EAGLE-3 proposer (no plugin) on each heads directory that holds an
+  EAGLE-3 drafter: a published folder as it is, an `eagle3` heads directory exported to
+  the speculators format first (eagle3_format.py); the plugin's rows read the same weights.
 - mtpspec-chain / mtpspec-tree: our heads, as top-1 chains or verified as trees; one
   variant per number of heads, per tree node budget, per quantization, with or without
   prompt lookup, and with the draft size the platform's default rule chooses (default),
@@ -24,7 +27,7 @@ from pathlib import Path
 
 from vllm_mtpspec.shipped import shipped_int2_heads_dir
 
-KNOWN_METHODS = ("none", "none-again", "ngram", "suffix", "draft", "mtpspec-chain", "mtpspec-tree")
+KNOWN_METHODS = ("none", "none-again", "ngram", "suffix", "draft", "eagle3", "mtpspec-chain", "mtpspec-tree")
 DRAFT_SIZES = ("default", "fixed", "planned")
 # -> SpecOptions.draft_size; "default": none given, the platform's own rule (the row a user gets)
 DRAFT_SIZE_OPTION = {"default": None, "fixed": "fixed", "planned": "planned"}
@@ -74,6 +77,13 @@ def build_methods(names: list[str], *, model_dir: str, heads_dirs: list[str], nu
                                   {"method": "draft_model", "model": str(draft),
                                    "num_speculative_tokens": num_spec_tokens},
                                   notes={"draft_model": f"the target's first {draft_layers} layers + LM head"}))
+        elif name == "eagle3":
+            for heads_dir in heads_dirs:
+                drafter, unavailable = _stock_eagle3_drafter(heads_dir, model_dir, work_dir)
+                tag = _heads_tag(heads_dir, _heads_config(heads_dir), several=len(heads_dirs) > 1)
+                methods.append(Method(f"vLLM eagle3 k={num_spec_tokens}{tag}", name,
+                                      {"method": "eagle3", "model": drafter, "num_speculative_tokens": num_spec_tokens},
+                                      unavailable=unavailable, notes={"eagle3": "vLLM's own proposer, no plugin"}))
         else:
             for heads_dir, quant in itertools.product(heads_dirs, quants):
                 heads, unavailable = heads_dir, None
@@ -139,6 +149,27 @@ def _heads_config(heads_dir: str):
         return read_heads_config(heads_dir)
     except HeadsError:
         return None
+
+
+def _stock_eagle3_drafter(heads_dir: str, model_dir: str, work_dir: Path) -> tuple[str, str | None]:
+    """(the folder vLLM's eagle3 method reads, why it cannot run or None): a published
+    EAGLE-3 folder as it is; an eagle3 heads directory written in the speculators format."""
+    from vllm_mtpspec.checkpoint import load_heads
+    from vllm_mtpspec.eagle3_format import is_eagle3_dir, with_own_lm_head, write_speculators
+    from vllm_mtpspec.weights import embedding_and_lm_head
+
+    if is_eagle3_dir(heads_dir):
+        return heads_dir, None
+    config = _heads_config(heads_dir)
+    if config is None or config.kind.stock_vllm_method != "eagle3" or config.quantization is not None:
+        what = "unreadable heads" if config is None else config.kind.label + (" in INT2" if config.quantization else "")
+        return heads_dir, (f"{heads_dir} holds {what}; vLLM's eagle3 method serves full-precision EAGLE-3 "
+                           "layers only")
+    layer = load_heads(heads_dir)
+    if layer.lm_head is None:
+        layer = with_own_lm_head(layer, embedding_and_lm_head(model_dir)[1])
+    out = work_dir / f"eagle3-{Path(heads_dir).name}"
+    return str(write_speculators(layer, out, verifier=model_dir)), None
 
 
 def _heads_tag(heads_dir: str, config, *, several: bool) -> str:

@@ -59,12 +59,17 @@ class DrafterKind:
     reads_layers: bool = False
     # Its chains take a copy bias toward what the context repeats (copy_bias.py).
     takes_copy_bias: bool = False
+    # The method of stock vLLM that serves this kind exported (None: the plugin alone serves it).
+    stock_vllm_method: str | None = None
     # What the reference decoder (reference.py) drafts with, built as drafter(heads, model).
     reference_drafter: str = "vllm_mtpspec.drafter:HeadsDrafter"
 
     # -- what its config must say ---------------------------------------------------------
     needs_block_shape: bool = False       # a `block` shape (BlockConfig), which only it has
     tied_only: bool = False               # it projects through the target's LM head
+    # Untied, its own LM head's rows are its draft vocabulary (EAGLE-3's d2t maps them to
+    # target ids); other untied heads draft over the whole vocabulary.
+    own_head_vocabulary: bool = False
     token_conditioned_only: bool = False  # it reads the sampled token (head_input="hidden+token")
 
     # -- how it is trained ----------------------------------------------------------------
@@ -73,15 +78,16 @@ class DrafterKind:
     # Quantization-aware steps can train its INT2 copy.
     quantize_aware_training: bool = True
     # Where its training modules live (the library declares, the training job imports): on
-    # recorded shards, and on answers each worker runs the target over itself.
-    training_module: str = "vllm_mtpspec_train.modules:PosthocModule"
-    online_training_module: str = "vllm_mtpspec_train.modules:PosthocModule"
+    # recorded shards, and on answers each worker runs the target over itself (None: the
+    # training job does not train this kind).
+    training_module: str | None = "vllm_mtpspec_train.modules:PosthocModule"
+    online_training_module: str | None = "vllm_mtpspec_train.modules:PosthocModule"
 
     def refusal(self, config) -> str | None:
         """Why a heads config cannot be of this kind (None: it can): the field and the fix."""
         if self.needs_block_shape != (config.block is not None):
             return (f"head_kind={self.name!r} with block={'set' if config.block else 'unset'}: an attention draft "
-                    "block needs its 'block' shape, and only it has one")
+                    "block or layer needs its 'block' shape, and only they have one")
         if self.tied_only and not config.tied:
             return (f"head_kind={self.name!r} with tied=false: {self.noun} project through the target's LM head; "
                     "set tied=true")

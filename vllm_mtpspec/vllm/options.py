@@ -89,7 +89,7 @@ def check_against_model(
     if not options.heads:
         raise ConfigError("speculative config: 'model' must be the heads directory (e.g. the folder "
                           "written by `mtpspec heads init` or the training job)")
-    config = read_heads_config(options.heads)
+    config = read_heads_config(options.heads, target_layers=num_layers)
     local = Path(model_path)
     fingerprint = model_fingerprint(local) if (local / "config.json").is_file() else None
     check_heads_match_model(config, heads_dir=options.heads, hidden_size=hidden_size,

@@ -83,6 +83,7 @@ class MTPSpecProposer:
             raise ConfigError(f"{self.options.heads}/config.json: {refusal}, and tree={self.options.tree!r} was asked: "
                               "use tree='chain'" + (" or tree='dynamic'" if self.heads_config.kind.grows_trees else ""))
         self.depth = wanted or self.heads_config.num_heads
+        self._num_layers = getattr(hf_config, "num_hidden_layers", None)
         self.model_path = model_config.model
         self._model_config = model_config
         self.tied_target = bool(getattr(hf_config, "tie_word_embeddings", False))
@@ -170,8 +171,16 @@ class MTPSpecProposer:
                                   f"{reason}. Use tree='chain'")
         self.draft_dtype = draft_dtype(self.options.draft_dtype, self.dtype,
                                        quantized=self.heads_config.quantization is not None)
-        self.heads = load_heads(self.options.heads, device=self.device, dtype=self.draft_dtype)
-        if self.heads.draft_vocab is not None and drafts_whole_vocabulary(self.options.draft_vocab):
+        self.heads = load_heads(self.options.heads, device=self.device, dtype=self.draft_dtype,
+                                target_layers=self._num_layers)
+        # Heads tied to the target's LM head may draft over its whole vocabulary; heads with
+        # a head of their own draft among its rows.
+        own_head = not self.heads.config.tied
+        if own_head and self.heads.draft_vocab is not None and self.options.draft_vocab == "full":
+            raise ConfigError(f"draft_vocab='full' was asked, and the heads in {self.options.heads} draft through an "
+                              f"LM head of their own over {self.heads.config.draft_vocab_size} tokens: leave "
+                              "draft_vocab out")
+        if self.heads.draft_vocab is not None and not own_head and drafts_whole_vocabulary(self.options.draft_vocab):
             self.heads = self.heads.with_draft_vocab(None)
         if self.int8_drafts:
             int8_linears(self.heads)
@@ -193,6 +202,7 @@ class MTPSpecProposer:
         self._draft_ids = None
         if self.heads.draft_vocab is not None:
             self._draft_ids = self.heads.draft_vocab.to(self.device)
+        if self.heads.draft_vocab is not None and not own_head:
             rows = draft_vocab_lm_head_rows(self._draft_ids, embed=self._embed, tied_target=self.tied_target,
                                             model=self.model_path, heads_dir=self.options.heads)
             self._lm_head = (Int8Linear.from_weight(rows.to(self.device)) if self.int8_drafts
