@@ -6,7 +6,14 @@ import random
 
 import pytest
 
-from vllm_mtpspec.draft_planner import Candidate, DraftPlanner, KeepCalibration, LookupKeepRates, plan_drafts
+from vllm_mtpspec.draft_planner import (
+    Candidate,
+    DraftPlanner,
+    KeepCalibration,
+    LookupKeepRates,
+    PayGate,
+    plan_drafts,
+)
 from vllm_mtpspec.plan_check import MeasuredRatio, PlanCheck
 from vllm_mtpspec.step_cost import DecayingMean, StepCostCurve, StepCosts, non_decreasing
 
@@ -415,3 +422,18 @@ def test_drafts_predicted_too_well_are_found_out_by_what_they_kept(check, monkey
         assert rate >= 0.97 * nothing
     else:
         assert rate < 0.9 * nothing  # what the planner did before it checked itself
+
+
+def test_a_gate_that_keeps_not_paying_checks_ever_less_often_and_comes_back_at_once():
+    gate = PayGate(explore_every=4, warmup_runs=8, decay=0.9, max_checks_apart=4)
+    gate.record(1.0, 1.0)
+    assert gate.wants(10.0)  # one run, a tenth of its cost: not yet sure, it runs again
+    gate.record(1.0, 1.0)
+    checks = []
+    for step in range(60):
+        if gate.wants(10.0):  # sure after two runs: it rests well before its eight warm-up runs
+            checks.append(step)
+            gate.record(1.0, 1.0)
+    assert checks == [3, 7, 15, 31, 47], checks  # 4 apart, then 8, then 16 at most
+    gate.record(100.0, 1.0)  # a check that paid: every step again, and checks 4 apart once it rests
+    assert gate.wants(10.0) and gate.interval == 4
