@@ -45,9 +45,9 @@ def smollm2_fp32():
     return load_target("smollm2-135m-instruct", dtype="fp32")
 
 
-def make_tiny_smol(out, seed: int):
-    """A 2-layer random Llama with SmolLM2's tokenizer (head_dim 64, which vLLM's CPU
-    attention supports): vLLM and Ray can run it in seconds."""
+def make_tiny_smol(out, seed: int, num_layers: int = 2):
+    """A random Llama of num_layers layers with SmolLM2's tokenizer (head_dim 64, which
+    vLLM's CPU attention supports): vLLM and Ray can run it in seconds."""
     import shutil
 
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -56,7 +56,7 @@ def make_tiny_smol(out, seed: int):
 
     source = fetch_model("smollm2-135m-instruct", dtype="fp32")
     torch.manual_seed(seed)
-    config = LlamaConfig(vocab_size=49152, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+    config = LlamaConfig(vocab_size=49152, hidden_size=128, intermediate_size=256, num_hidden_layers=num_layers,
                          num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=1024,
                          tie_word_embeddings=True, bos_token_id=1, eos_token_id=2)
     LlamaForCausalLM(config).save_pretrained(out)

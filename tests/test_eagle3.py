@@ -147,25 +147,6 @@ def test_the_layers_chains_are_what_its_unrolled_training_form_computes(target):
         torch.testing.assert_close(outputs[j][0], unrolled[j][0, 7], rtol=1e-4, atol=1e-5)
 
 
-def tiny_smol_with_four_layers(out):
-    """A 4-layer random Llama with SmolLM2's tokenizer (conftest.make_tiny_smol's shape)."""
-    import shutil
-
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    from vllm_mtpspec.models import fetch_model
-
-    source = fetch_model("smollm2-135m-instruct", dtype="fp32")
-    torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=49152, hidden_size=128, intermediate_size=256, num_hidden_layers=4,
-                         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=1024,
-                         tie_word_embeddings=True, bos_token_id=1, eos_token_id=2)
-    LlamaForCausalLM(config).save_pretrained(out)
-    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
-        shutil.copy(source / name, out)
-    return out
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("which", ["tiny-random-llama", "smollm2-135m-instruct"])
 def test_the_plugins_chains_are_vllms_eagle3_drafts_on_the_same_weights(tmp_path, which):
@@ -177,12 +158,14 @@ def test_the_plugins_chains_are_vllms_eagle3_drafts_on_the_same_weights(tmp_path
     from vllm import SamplingParams
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
+    from tests.conftest import make_tiny_smol
     from tests.test_vllm_integration import build, chat_prompts, close
     from vllm_mtpspec.models import fetch_model
     from vllm_mtpspec.target import load_target
 
     if which == "tiny-random-llama":
-        model_dir, layers = tiny_smol_with_four_layers(tmp_path / "tiny"), [1, 2, 3]
+        # Four layers: EAGLE-3 reads the states entering three of them.
+        model_dir, layers = make_tiny_smol(tmp_path / "tiny", seed=0, num_layers=4), [1, 2, 3]
     else:
         model_dir, layers = fetch_model("smollm2-135m-instruct", dtype="fp32"), []  # vLLM's default: 2, 15, 27
     target = load_target(str(model_dir), dtype="fp32")

@@ -178,14 +178,19 @@ class DraftBlock(DraftModule):
             nn.init.zeros_(self.layer_fuse.weight)
 
     @property
+    def final_norm(self) -> RMSNorm:
+        """The norm on the block's output."""
+        return self.output_norm
+
+    @property
     def dtype(self) -> torch.dtype:
         """What the block computes in: its norms' dtype (its matrices' too, unless they are
         INT2 codes or INT8 copies, which take and give this dtype)."""
-        return self.output_norm.weight.dtype
+        return self.final_norm.weight.dtype
 
     @property
     def device(self) -> torch.device:
-        return self.output_norm.weight.device
+        return self.final_norm.weight.device
 
     # ------------------------------------------------------------------ pieces
     def fused_inputs(self, features: torch.Tensor, token_embeds: torch.Tensor,
@@ -244,13 +249,16 @@ class DraftBlock(DraftModule):
         gate_up: gate_proj and up_proj as one product (drafting's fused projections)."""
         b, _, t, _ = attended.shape
         x = x + self.o_proj(attended.transpose(1, 2).reshape(b, t, -1))
-        h = self.mlp_norm(x)
+        x = x + self._mlp(self.mlp_norm(x), gate_up)
+        return self.output_norm(x)
+
+    def _mlp(self, h: torch.Tensor, gate_up: nn.Module | None = None) -> torch.Tensor:
+        """SwiGLU on the normalized stream h (gate_up: drafting's fused gate and up products)."""
         if gate_up is None:
             gate, up = self.gate_proj(h), self.up_proj(h)
         else:
             gate, up = gate_up(h).split(self.block_config.mlp_size, -1)
-        x = x + self.down_proj(F.silu(gate) * up)
-        return self.output_norm(x)
+        return self.down_proj(F.silu(gate) * up)
 
     # ------------------------------------------------------------------ training / replay
     def unrolled(self, features: torch.Tensor, token_embeds: list[torch.Tensor], positions: torch.Tensor,

@@ -27,7 +27,6 @@ paths) is the block's.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from vllm_mtpspec.config import HeadsConfig
@@ -63,12 +62,8 @@ class Eagle3Layer(DraftBlock):
             nn.init.normal_(matrix.weight, std=0.02)
 
     @property
-    def dtype(self) -> torch.dtype:
-        return self.norm.weight.dtype
-
-    @property
-    def device(self) -> torch.device:
-        return self.norm.weight.device
+    def final_norm(self) -> RMSNorm:
+        return self.norm
 
     def fused_inputs(self, features: torch.Tensor, token_embeds: torch.Tensor,
                      layer_features: torch.Tensor | None = None) -> torch.Tensor:
@@ -90,12 +85,7 @@ class Eagle3Layer(DraftBlock):
         """The pre-norm output g [B, T, d]: what the next depth reads, and what `logits` normalizes."""
         b, _, t, _ = attended.shape
         residual = x[..., :self.config.hidden_size] + self.o_proj(attended.transpose(1, 2).reshape(b, t, -1))
-        h = self.post_attention_layernorm(residual)
-        if gate_up is None:
-            gate, up = self.gate_proj(h), self.up_proj(h)
-        else:
-            gate, up = gate_up(h).split(self.block_config.mlp_size, -1)
-        return residual + self.down_proj(F.silu(gate) * up)
+        return residual + self._mlp(self.post_attention_layernorm(residual), gate_up)
 
     def logits(self, g: torch.Tensor, project) -> torch.Tensor:
         """Logits over the draft vocabulary (its own LM head), or through project (the

@@ -68,6 +68,17 @@ def init_heads(
     return heads
 
 
+def _layer_config(model, model_dir: str | Path, *, num_heads: int, head_kind: str, block, tied: bool = True):
+    """The heads config of a drafter shaped like one of the model's decoder layers (it reads
+    the sampled token), made for this model."""
+    cfg = model.config
+    return HeadsConfig(num_heads=num_heads, hidden_size=cfg.hidden_size, vocab_size=cfg.vocab_size, tied=tied,
+                       head_kind=head_kind, head_input="hidden+token", block=block,
+                       base_model_fingerprint=model_fingerprint(model_dir),
+                       base_model_name=model_display_name(model_dir),
+                       base_model_num_params=sum(p.numel() for p in model.parameters()))
+
+
 def init_draft_block(model, model_dir: str | Path, *, num_heads: int, window: int = 1024, seed: int = 0,
                      feature_layers: list[int] | tuple[int, ...] = ()):
     """A fresh attention draft block shaped like one of the model's decoder layers that
@@ -80,17 +91,8 @@ def init_draft_block(model, model_dir: str | Path, *, num_heads: int, window: in
 
     cfg = model.config
     check_feature_layers(feature_layers, cfg.num_hidden_layers, where="feature_layers")
-    config = HeadsConfig(
-        num_heads=num_heads,
-        hidden_size=cfg.hidden_size,
-        vocab_size=cfg.vocab_size,
-        head_kind="attention",
-        head_input="hidden+token",
-        block=block_config_for(cfg, window=window, feature_layers=feature_layers),
-        base_model_fingerprint=model_fingerprint(model_dir),
-        base_model_name=model_display_name(model_dir),
-        base_model_num_params=sum(p.numel() for p in model.parameters()),
-    )
+    config = _layer_config(model, model_dir, num_heads=num_heads, head_kind="attention",
+                           block=block_config_for(cfg, window=window, feature_layers=feature_layers))
     with torch.random.fork_rng():
         torch.manual_seed(seed)
         block = DraftBlock(config)
@@ -122,18 +124,7 @@ def init_eagle3_layer(model, model_dir: str | Path, *, num_heads: int, seed: int
     check_feature_layers(feature_layers, cfg.num_hidden_layers, where="feature_layers")
     block = block_config_for(cfg, window=window or cfg.max_position_embeddings, feature_layers=feature_layers)
     block.norm_before_residual = True
-    config = HeadsConfig(
-        num_heads=num_heads,
-        hidden_size=cfg.hidden_size,
-        vocab_size=cfg.vocab_size,
-        tied=tied,
-        head_kind="eagle3",
-        head_input="hidden+token",
-        block=block,
-        base_model_fingerprint=model_fingerprint(model_dir),
-        base_model_name=model_display_name(model_dir),
-        base_model_num_params=sum(p.numel() for p in model.parameters()),
-    )
+    config = _layer_config(model, model_dir, num_heads=num_heads, tied=tied, head_kind="eagle3", block=block)
     with torch.random.fork_rng():
         torch.manual_seed(seed)
         layer = Eagle3Layer(config)
