@@ -483,3 +483,27 @@ def test_unreachable_ray_address_is_a_clear_error(tmp_path):
     ray.shutdown()  # an earlier test's local instance would be reused
     with pytest.raises(TrainConfigError, match="cannot reach a Ray cluster"):
         connect_ray(TrainConfig(address="ray://127.0.0.1:1"))
+
+
+def test_an_eagle3_layer_trains_online_tied_to_the_targets_lm_head(tiny_smol_teacher, tiny_data, tmp_path):
+    """The eagle3 kind trains as the block does (whole answers with their prompt rows, the
+    states entering its feature layers recorded by the target in the worker), through the
+    target's LM head on its normalized output; an untied one is refused."""
+    from vllm_mtpspec.checkpoint import load_heads
+    from vllm_mtpspec.eagle3_layer import Eagle3Layer
+
+    common = dict(model=str(tiny_smol_teacher), head_kind="eagle3", data_source="online", num_heads=2,
+                  feature_layers=[0, 1], train_answers=str(tiny_data / "train" / "answers"),
+                  held_out_data=str(tmp_path / "held"), held_out_answers=str(tiny_data / "held" / "answers"),
+                  context_rows=16, batch_rows=128, max_steps=12, warmup_steps=2, lr=3e-3, num_negatives=256,
+                  runner="local", checkpoint_every=6, log_every=1, storage_path=str(tmp_path / "runs"),
+                  int2_group_size=None)
+    with pytest.raises(TrainConfigError, match="head_kind='eagle3' projects through the target's LM head"):
+        TrainConfig(**common, tied=False)
+    summary = run_training(TrainConfig(**common, name="eagle3", out=str(tmp_path / "heads")))
+    rows = [r for r in metrics(tmp_path / "runs" / "eagle3") if "loss" in r]
+    assert sum(r["loss"] for r in rows[-3:]) < sum(r["loss"] for r in rows[:3]), rows
+    layer, init = load_heads(summary["heads_dir"]), load_heads(tmp_path / "runs" / "eagle3" / "init-heads")
+    assert isinstance(layer, Eagle3Layer) and layer.config.tied and layer.feature_layers == [0, 1]
+    assert not torch.equal(layer.fc.weight, init.fc.weight)
+    assert len(summary["held_out"]["fp32"]["conditional_top1"]) == 2

@@ -235,9 +235,13 @@ class DraftBlock(DraftModule):
         """What q, k and v are computed from: the residual stream x, normalized."""
         return self.attention_norm(x)
 
+    def projection_input(self, g: torch.Tensor) -> torch.Tensor:
+        """What an LM head reads of an output g: g as it is (it ends in the block's norm)."""
+        return g
+
     def logits(self, g: torch.Tensor, project) -> torch.Tensor:
-        """The draft logits of an output g: the target's LM head (project) reads g as it is."""
-        return project(g)
+        """The draft logits of an output g, through the target's LM head (project)."""
+        return project(self.projection_input(g))
 
     def _expand_kv(self, kv: torch.Tensor) -> torch.Tensor:
         """[B, KV, ..., hd] -> [B, H, ..., hd]: each key/value head serves its query group."""

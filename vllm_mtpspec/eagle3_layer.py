@@ -87,10 +87,15 @@ class Eagle3Layer(DraftBlock):
         residual = x[..., :self.config.hidden_size] + self.o_proj(attended.transpose(1, 2).reshape(b, t, -1))
         return residual + self._mlp(self.post_attention_layernorm(residual), gate_up)
 
+    def projection_input(self, g: torch.Tensor) -> torch.Tensor:
+        """The pre-norm output g normalized: what an LM head reads (training and scoring
+        project it through the target's, as a tied layer drafts)."""
+        return self.norm(g)
+
     def logits(self, g: torch.Tensor, project) -> torch.Tensor:
         """Logits over the draft vocabulary (its own LM head), or through project (the
         target's rows) where tied."""
-        normed = self.norm(g)
+        normed = self.projection_input(g)
         return project(normed) if self.lm_head is None else self.lm_head(normed)
 
     def prepare_drafting(self, drafted_token_embeds: torch.Tensor | None = None) -> None:

@@ -152,7 +152,7 @@ class TrainConfig:
         if kind.training_module is None:
             raise TrainConfigError(f"head_kind={self.head_kind!r}: the training job does not train {kind.label}s yet; "
                                    f"choose one of {[k for k in kind_names() if kind_named(k).training_module]}")
-        if kind.tied_only and not self.tied:
+        if (kind.tied_only or kind.trains_tied_only) and not self.tied:
             raise TrainConfigError(f"head_kind={self.head_kind!r} projects through the target's LM head: set tied=true")
         if self.quantize_aware_steps and not kind.quantize_aware_training:
             raise TrainConfigError(f"head_kind={self.head_kind!r}: quantization-aware steps train MLP heads only so "

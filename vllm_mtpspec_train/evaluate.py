@@ -71,7 +71,7 @@ def block_answer_logits(block, shard: dict, j: int, lm_head, embed, chunk: int =
     copy = _copy_along(block, shard, j, states.shape[0])
     for start in range(0, states.shape[0], chunk):
         g = states[start:start + chunk]
-        logits = block.target_vocab_logits(project(g.reshape(-1, g.shape[-1])).view(g.shape[0], k, -1))
+        logits = block.target_vocab_logits(block.logits(g.reshape(-1, g.shape[-1]), project).view(g.shape[0], k, -1))
         if copy is not None:  # as drafting leans each depth, where the chain follows the repeat
             tokens, bias = copy[0][start:start + chunk], copy[1][start:start + chunk]
             logits = logits.scatter_add(-1, tokens.clamp_min(0)[..., None], bias[..., None].to(logits.dtype))

@@ -94,7 +94,7 @@ class BlockModule(PosthocModule):
         stacked = unroll_sequences(self.heads, seqs, self.embed)            # [B, T, k, d]
         row_b = torch.cat([torch.full((len(s["answer_rows"]),), b) for b, s in enumerate(seqs)]).to(device)
         row_p = torch.cat([s["answer_rows"] for s in seqs]).to(device)
-        losses = mtp_losses(stacked[row_b, row_p], self.lm_head, torch.cat(targets).to(device),
+        losses = mtp_losses(self.heads.projection_input(stacked[row_b, row_p]), self.lm_head, torch.cat(targets).to(device),
                             torch.cat(t_ids).to(device), torch.cat(t_lp).to(device), num_negatives=self.num_negatives,
                             kl_weight=self.kl_weight, depth_decay=self.depth_decay, generator=generator)
         return losses.total, {"loss": losses.total.item(), **_head_metrics(losses)}
@@ -158,7 +158,8 @@ class CotrainModule(nn.Module):
         if self.mtp_weight:
             embed = self.student.get_input_embeddings().weight
             if self.heads.config.kind.keeps_context:
-                drafted = self._block_states(states, answers, embed)[row_b, answers["row_q"].to(device)]
+                drafted = self.heads.projection_input(
+                    self._block_states(states, answers, embed)[row_b, answers["row_q"].to(device)])
                 projection = lm_head.weight
             else:
                 drafted = self.heads.hidden(hidden, self._head_token_embeds(answers, embed))

@@ -265,7 +265,7 @@ def unrolled_states(block, batch: dict, embed: torch.Tensor) -> torch.Tensor:
 def batch_loss(block, batch: dict, *, embed, lm_head, num_negatives: int, kl_weight: float, depth_decay: float,
                generator=None):
     states = unrolled_states(block, batch, embed)
-    return mtp_losses(states[batch["loss_b"], batch["loss_r"]], lm_head, batch["targets"], batch["teacher_ids"],
+    return mtp_losses(block.projection_input(states[batch["loss_b"], batch["loss_r"]]), lm_head, batch["targets"], batch["teacher_ids"],
                       batch["teacher_logprobs"], num_negatives=num_negatives, kl_weight=kl_weight,
                       depth_decay=depth_decay, generator=generator)
 

@@ -77,6 +77,9 @@ class DrafterKind:
     shape_fields: tuple[str, ...] = ("head_input", "mlp_size")
     # Quantization-aware steps can train its INT2 copy.
     quantize_aware_training: bool = True
+    # The training job trains it tied to the target's LM head only (an LM head of its own is
+    # written out on export).
+    trains_tied_only: bool = False
     # Where its training modules live (the library declares, the training job imports): on
     # recorded shards, and on answers each worker runs the target over itself (None: the
     # training job does not train this kind).

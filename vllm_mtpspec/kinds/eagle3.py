@@ -39,8 +39,9 @@ EAGLE3 = Eagle3Kind(
     own_head_vocabulary=True,
     shape_fields=("feature_layers",),
     quantize_aware_training=False,
-    # The training job's modules project the block's output through the target's LM head;
-    # an EAGLE-3 layer's output is normalized first and may have a head of its own.
-    training_module=None,
-    online_training_module=None,
+    # Trained as the block is (whole answers with their prompt rows, each depth fed its own
+    # output: EAGLE-3's training-time test), through the target's LM head.
+    trains_tied_only=True,
+    training_module="vllm_mtpspec_train.modules:BlockModule",
+    online_training_module="vllm_mtpspec_train.modules:OnlineBlockModule",
 )
