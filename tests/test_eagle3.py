@@ -3,6 +3,7 @@ read as vLLM reads them, refused where the plugin would compute something else, 
 plugin's chains equal to vLLM's own EagleProposer's drafts on the same weights."""
 import json
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -253,3 +254,7 @@ def test_the_bench_runs_vllms_own_eagle3_on_the_plugins_weights(target, tmp_path
     torch.testing.assert_close(exported.lm_head.weight, model.get_output_embeddings().weight.detach())
     plugin = [m for m in methods if m.family == "mtpspec-chain"]
     assert plugin[0].speculative_config["model"] == str(ours)
+    from vllm_mtpspec.bench.report import heads_memory
+
+    [memory] = heads_memory(config["model"], str(folder), None)  # a published folder's one weights file
+    assert memory["heads"] == "EAGLE-3 layer" and memory["bytes"] == (Path(config["model"]) / "model.safetensors").stat().st_size

@@ -67,6 +67,12 @@ def read_heads_config(heads_dir: str | Path, *, target_layers: int | None = None
         raise HeadsError(message if message.startswith(str(config_path)) else f"{config_path}: {message}") from None
 
 
+def heads_weights_file(heads_dir: str | Path) -> Path:
+    """The file a heads directory (or a published EAGLE-3 drafter's folder) keeps its weights in."""
+    path = Path(heads_dir)
+    return weights_file(path) if is_eagle3_dir(path) else path / WEIGHTS_FILE
+
+
 def load_heads(heads_dir: str | Path, *, device: str | torch.device = "cpu", dtype: torch.dtype | None = None,
                target_layers: int | None = None) -> DraftModule:
     """Loads heads (FP or INT2; INT2 stays packed), or a published EAGLE-3 drafter, and
@@ -75,7 +81,7 @@ def load_heads(heads_dir: str | Path, *, device: str | torch.device = "cpu", dty
     config = read_heads_config(path, target_layers=target_layers)
     eagle3 = is_eagle3_dir(path)
     try:
-        weights_path = weights_file(path) if eagle3 else path / WEIGHTS_FILE
+        weights_path = heads_weights_file(path)
     except ConfigError as err:
         raise HeadsError(str(err)) from None
     if not weights_path.is_file():

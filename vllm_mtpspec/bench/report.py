@@ -73,17 +73,17 @@ def heads_memory(heads_dir: str, model_dir: str, int2_dir: str | None, *, name: 
     heads, untied figures add one vocab projection per head (2 bytes per weight in FP,
     2.5 bits in INT2 with group size 64), what Medusa-style heads would weigh; sequential
     heads and a draft block are tied only, so their own bytes are all there is."""
-    from vllm_mtpspec.checkpoint import read_heads_config
+    from vllm_mtpspec.checkpoint import heads_weights_file, read_heads_config
 
     config = read_heads_config(heads_dir)
     model_bytes = sum(f.stat().st_size for f in Path(model_dir).glob("*.safetensors"))
     own = "int2" if config.quantization is not None else "fp"
-    sizes = [(own, (Path(heads_dir) / "heads.safetensors").stat().st_size)]
+    sizes = [(own, heads_weights_file(heads_dir).stat().st_size)]
     if int2_dir and own == "fp":
         sizes.append(("int2", (Path(int2_dir) / "heads.safetensors").stat().st_size))
     projection = config.num_heads * config.hidden_size * config.vocab_size
     tag = f" [{name}]" if name else ""
-    if config.kind.tied_only:
+    if config.kind.tied_only or config.kind.own_head_vocabulary:  # its own bytes are all there is
         rows = [(config.kind.label + tag, quant, size) for quant, size in sizes]
     else:
         bytes_per_weight = {"fp": 2, "int2": 2.5 / 8}
