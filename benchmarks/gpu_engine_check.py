@@ -8,7 +8,9 @@ Where benchmarks/gpu_check.py checks the GPU kernels without vLLM, this runs who
 2. says whether vLLM's compiled extension (`_C`, `_C_stable_libtorch`) loads;
 3. runs vLLM alone and each of the plugin's rows on the same prompts, one engine at a time:
    chain and tree (the small parallel INT2 heads, data/heads/), draft block and block tree
-   (the shipped attention block); vLLM alone runs on the V1 model runner as the plugin does,
+   (the shipped attention block), and a random EAGLE-3 layer written in the speculators
+   format served by the plugin (eagle3) and by vLLM's own `eagle3` method (eagle3-vllm), the
+   same weights and the same chain length; vLLM alone runs on the V1 model runner as the plugin does,
    and none-async is vLLM as it ships (its default runner, async scheduling), for speed. Greedy output must equal vLLM alone's, token for token;
    sampled requests (top-p, a seed per request) must complete; each row records the
    CUDA-graph mode its engine settled on (PIECEWISE where trees are verified);
@@ -27,7 +29,10 @@ The model: --model PATH with real weights where they are present; else --model-s
 real config and tokenizer without weights (plus the first rows of the embedding that the
 heads' fingerprint check reads), which vLLM fills with dummy weights (load_format="dummy").
 With dummy weights acceptance and speed-ups say nothing about the drafter; losslessness
-(greedy identical to vLLM alone) and the step costs still hold.
+(greedy identical to vLLM alone) and the step costs still hold. vLLM loads its own EAGLE-3
+drafter with the same load format, so with dummy weights the eagle3-vllm row drafts from
+dummy weights of the same shapes: the two eagle3 rows then compare the same computation,
+and the same drafts only with --model.
 
 On the CPU machine, first build the bundle and the model's shape (both ignored, under .cache/):
 
@@ -74,13 +79,19 @@ CALL_LIMIT = 64 << 20  # what one device call carries, the tracked tree included
 PINNED = {"draft_size": "fixed", "batch_backoff_start": 1 << 20, "min_path_prob": 0.0}
 # In the order they run: the shipped drafter first, vLLM as it ships last (a run short of
 # time skips from the end).
-ROW_NAMES = ("none", "block", "block-tree", "chain", "tree", "none-async")
+ROW_NAMES = ("none", "block", "block-tree", "chain", "tree", "eagle3", "eagle3-vllm", "none-async")
+EAGLE3_ROWS = ("eagle3", "eagle3-vllm")
 EXTENSIONS = ("vllm._C", "vllm._C_stable_libtorch")
 
 
-def speculative_config(row: str, k: int, nodes: int) -> dict | None:
+def speculative_config(row: str, k: int, nodes: int, eagle3: Path | None = None) -> dict | None:
     if row in ("none", "none-async"):
         return None
+    if row == "eagle3-vllm":  # vLLM's own proposer, no plugin option
+        return {"method": "eagle3", "model": str(eagle3), "num_speculative_tokens": k}
+    if row == "eagle3":  # the plugin on the same folder: the layer's drafts alone, as vLLM's
+        return {"method": "mtpspec", "model": str(eagle3), "num_speculative_tokens": k, "tree": "chain", **PINNED,
+                "prompt_lookup_max": 0}
     from vllm_mtpspec.shipped import shipped_heads_dir
 
     heads, tree = {"chain": (PARALLEL_HEADS, "chain"), "tree": (PARALLEL_HEADS, "consensus"),
@@ -90,6 +101,22 @@ def speculative_config(row: str, k: int, nodes: int) -> dict | None:
     if tree != "chain":
         config["max_tree_nodes"] = nodes
     return config
+
+
+def random_eagle3_drafter(model: Path, out: Path) -> Path:
+    """A random EAGLE-3 layer shaped for the model (its own LM head, vLLM's three default
+    layers), in the speculators format that both eagle3 rows serve. Random weights: the
+    rows compare the two proposers on the same drafts, not the drafter."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from vllm_mtpspec.eagle3_format import write_speculators
+    from vllm_mtpspec.heads_init import init_eagle3_layer
+
+    torch.manual_seed(0)
+    target = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model))  # weights of its own, random
+    layer = init_eagle3_layer(target, model, num_heads=3, tied=False, seed=0)
+    return write_speculators(layer, out, verifier=str(model))
 
 
 # -- the model's shape: config and tokenizer, no weights ----------------------------------------
@@ -333,9 +360,10 @@ def engine_settings(args, row: str, model: Path, spec_tokens: int) -> dict:
     return engine
 
 
-def run_row(args, row: str, model: Path, prompts: list[str], logs: Path, timeout: float) -> dict:
-    config = speculative_config(row, args.k, args.tree_nodes)
-    spec_tokens = 0 if config is None else (args.tree_nodes if config["tree"] != "chain" else args.k)
+def run_row(args, row: str, model: Path, prompts: list[str], logs: Path, timeout: float,
+            eagle3: Path | None = None) -> dict:
+    config = speculative_config(row, args.k, args.tree_nodes, eagle3)
+    spec_tokens = 0 if config is None else (args.tree_nodes if config.get("tree", "chain") != "chain" else args.k)
     spec = {"row": row, "model": str(model), "speculative_config": config, "prompts": prompts,
             "engine": engine_settings(args, row, model, spec_tokens), "max_new_tokens": args.max_new_tokens,
             "timing_tokens": args.timing_tokens, "batch_sizes": args.batch_sizes,
@@ -508,6 +536,7 @@ def main(argv: list[str] | None = None) -> int:
         from vllm_mtpspec.prompts import load_prompts_jsonl
 
         prompts = [p.text for p in load_prompts_jsonl(args.prompts, limit=args.num_prompts)]
+        eagle3 = random_eagle3_drafter(model, work / "eagle3") if set(rows) & set(EAGLE3_ROWS) else None
         report["rows"] = {}
         for row in rows:
             left = args.time_budget - (time.perf_counter() - started)
@@ -515,7 +544,7 @@ def main(argv: list[str] | None = None) -> int:
                 report["rows"][row] = {"skipped": f"time budget ({args.time_budget:.0f} s) spent"}
                 continue
             print(f"{row}: starting an engine ({left:.0f} s of the budget left)", flush=True)
-            report["rows"][row] = run_row(args, row, model, prompts, logs, timeout=left)
+            report["rows"][row] = run_row(args, row, model, prompts, logs, timeout=left, eagle3=eagle3)
             print(f"{row}: done in {report['rows'][row]['seconds']} s"
                   + (f", {report['rows'][row]['error']}" if "error" in report["rows"][row] else ""), flush=True)
             save()

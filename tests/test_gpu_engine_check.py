@@ -13,7 +13,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "benchmarks" / "gpu_engine_check.py"
-PLUGIN_ROWS = ("chain", "tree", "block", "block-tree")
+PLUGIN_ROWS = ("chain", "tree", "block", "block-tree", "eagle3")
+VLLM_ROWS = ("eagle3-vllm",)  # vLLM's own proposer on the plugin's EAGLE-3 folder
 K = 3
 
 
@@ -29,7 +30,7 @@ def run(tmp_path_factory):
                    check=True, cwd=ROOT, timeout=300)
     out = tmp / "out"
     done = subprocess.run([sys.executable, str(SCRIPT), "--device", "cpu", "--bundle", "none", "--model-shape",
-                           str(shape), "--rows", ",".join(("none",) + PLUGIN_ROWS), "--num-prompts", "2",
+                           str(shape), "--rows", ",".join(("none",) + PLUGIN_ROWS + VLLM_ROWS), "--num-prompts", "2",
                            "--max-new-tokens", "8", "--timing-tokens", "8", "--batch-sizes", "1,2", "--k", str(K),
                            "--tree-nodes", "8", "--out", str(out)],
                           env=env, cwd=ROOT, capture_output=True, text=True, timeout=900)
@@ -50,7 +51,7 @@ def test_it_succeeds_and_says_whether_c_loads(run):
 def test_plugin_rows_are_lossless_and_serve_seeded_top_p_requests(run):
     _, report = run
     summary = {e["row"]: e for e in report["summary"]}
-    for row in PLUGIN_ROWS:
+    for row in PLUGIN_ROWS + VLLM_ROWS:
         assert summary[row]["greedy_identical"] is True, summary[row]
         assert summary[row]["sampled_completed"] == "2/2", summary[row]
     # Dummy weights answer in loops that prompt lookup drafts: drafts are accepted, so the
@@ -62,7 +63,7 @@ def test_plugin_rows_are_lossless_and_serve_seeded_top_p_requests(run):
 def test_the_json_holds_the_step_cost_curve(run):
     _, report = run
     curve = {(p["row"], p["batch_size"]): p for p in report["step_costs"]}
-    assert set(curve) == {(row, b) for row in PLUGIN_ROWS for b in (1, 2)}
+    assert set(curve) == {(row, b) for row in PLUGIN_ROWS + VLLM_ROWS for b in (1, 2)}
     for (row, _), point in curve.items():
         # A chain verifies its k drafts and the request's own token; a tree more than that.
         assert point["query_tokens"] == 1 + K if "tree" not in row else point["query_tokens"] > 1 + K, point
@@ -76,7 +77,7 @@ def test_the_table_is_printed_last(run):
     lines = done.stdout.rstrip().splitlines()
     header = max(i for i, line in enumerate(lines) if line.startswith("row "))
     table = lines[header + 1:]
-    assert [line.split()[0] for line in table if line[:1] not in (" ", "*")] == ["none", *PLUGIN_ROWS]
+    assert [line.split()[0] for line in table if line[:1] not in (" ", "*")] == ["none", *PLUGIN_ROWS, *VLLM_ROWS]
     assert lines[-1].startswith("* dummy weights")
 
 
