@@ -161,7 +161,7 @@ def test_bench_end_to_end_writes_json_markdown_and_plot(tmp_path):
     # vocabulary, where they have one.
     config = read_heads_config(shipped_heads_dir())
     label = next(m["name"] for m in result["methods"] if m["name"].startswith("mtpspec"))
-    assert label.startswith(f"mtpspec-{config.default_tree()} k=3 n<=8")
+    assert label.startswith(f"mtpspec-{config.kind.default_tree} k=3 n<=8")
     assert (f"vocab={config.draft_vocab_size}" in label) == bool(config.draft_vocab_size)
     assert f"| {label} | 1 |" in (tmp_path / "bench.md").read_text()
     with Image.open(f"{out}.png") as image:
