@@ -81,7 +81,7 @@ def load_heads(heads_dir: str | Path, *, device: str | torch.device = "cpu", dty
     config = read_heads_config(path, target_layers=target_layers)
     eagle3 = is_eagle3_dir(path)
     try:
-        weights_path = heads_weights_file(path)
+        weights_path = weights_file(path) if eagle3 else path / WEIGHTS_FILE
     except ConfigError as err:
         raise HeadsError(str(err)) from None
     if not weights_path.is_file():
@@ -95,7 +95,7 @@ def load_heads(heads_dir: str | Path, *, device: str | torch.device = "cpu", dty
         ) from None
     if eagle3:
         try:
-            state = eagle3_state(state, json.loads((path / CONFIG_FILE).read_text()), config, source=str(weights_path))
+            state = eagle3_state(state, config, source=str(weights_path))
         except ConfigError as err:
             raise HeadsError(str(err)) from None
     heads = config.kind.build(config)

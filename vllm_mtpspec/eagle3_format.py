@@ -137,12 +137,10 @@ def eagle3_heads_config(raw: dict[str, Any], *, source: str, target_layers: int 
                        draft_vocab_size=0 if draft_vocab == vocab else int(draft_vocab), base_model_name=name)
 
 
-def eagle3_state(tensors: dict[str, torch.Tensor], raw: dict[str, Any], config: HeadsConfig, *,
-                 source: str) -> dict[str, torch.Tensor]:
-    """The checkpoint's tensors as eagle3_layer.Eagle3Layer's state dict."""
-    flavour = eagle3_format(raw)
-    prefix = next((p for p in (LAYER_PREFIXES[flavour], *LAYER_PREFIXES.values())
-                   if f"{p}{LAYER_WEIGHTS['q_proj.weight']}" in tensors), None)
+def eagle3_state(tensors: dict[str, torch.Tensor], config: HeadsConfig, *, source: str) -> dict[str, torch.Tensor]:
+    """The checkpoint's tensors as eagle3_layer.Eagle3Layer's state dict (the layer's
+    weights under whichever format's prefix holds them)."""
+    prefix = next((p for p in LAYER_PREFIXES.values() if f"{p}{LAYER_WEIGHTS['q_proj.weight']}" in tensors), None)
     if prefix is None:
         raise Eagle3FormatError(f"{source}: no draft layer's weights (looked for "
                                 f"{[p + LAYER_WEIGHTS['q_proj.weight'] for p in LAYER_PREFIXES.values()]}); is this "

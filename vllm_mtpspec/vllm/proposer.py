@@ -68,6 +68,7 @@ class MTPSpecProposer:
         # largest tree (hooks.py sets it to max_tree_nodes where the platform verifies trees).
         self.max_drafts = vllm_config.speculative_config.num_speculative_tokens
         hf_config = model_config.hf_text_config
+        self._num_layers = getattr(hf_config, "num_hidden_layers", None)
         # Heads used per step (the tree's depth): as asked, else a chain as long as vLLM's
         # budget, else (trees) every head.
         wanted = self.options.num_speculative_tokens or (self.max_drafts if self.options.tree == "chain" else None)
@@ -77,13 +78,12 @@ class MTPSpecProposer:
             model_path=model_config.model,
             hidden_size=hf_config.hidden_size,
             vocab_size=hf_config.vocab_size,
-            num_layers=getattr(hf_config, "num_hidden_layers", None),
+            num_layers=self._num_layers,
         )
         if (refusal := self.heads_config.kind.tree_refusal(self.options.tree)) is not None:
             raise ConfigError(f"{self.options.heads}/config.json: {refusal}, and tree={self.options.tree!r} was asked: "
                               "use tree='chain'" + (" or tree='dynamic'" if self.heads_config.kind.grows_trees else ""))
         self.depth = wanted or self.heads_config.num_heads
-        self._num_layers = getattr(hf_config, "num_hidden_layers", None)
         self.model_path = model_config.model
         self._model_config = model_config
         self.tied_target = bool(getattr(hf_config, "tie_word_embeddings", False))
@@ -121,6 +121,7 @@ class MTPSpecProposer:
             self.draft_size_rule, depth=self.depth, max_tree_budget=self.max_tree_budget,
             batch_backoff_start=self.options.batch_backoff_start or default_backoff_start(),
             pacing=self.options.pace_cohorts, log=lambda line: logger.info("mtpspec: draft planner: %s", line))
+        # Read once: during a step the proposer asks the rule its two questions and nothing else.
         self._rule_on_rank_zero = self.draft_size.one_rank_decides
         logger.info("mtpspec: draft size %s: %s", self.draft_size_rule, self.draft_size.describe())
 
