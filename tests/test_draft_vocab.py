@@ -154,13 +154,13 @@ def test_a_tied_target_gives_the_draft_rows_through_its_embedding_without_model_
     ids = torch.tensor([5, 0, 17, 3])
     embed = tiny_model.get_input_embeddings()
     # A hub id nobody downloaded: the rows still come, from the loaded embedding module.
-    rows = draft_vocab_lm_head_rows(ids, embed=embed, tied_target=True, model="no-such/model", heads_dir="h")
+    rows = draft_vocab_lm_head_rows(ids, embed=embed, tied_target=True, embed_scale=1.0, model="no-such/model", heads_dir="h")
     torch.testing.assert_close(rows, tiny_model.get_output_embeddings().weight.detach()[ids])
     assert not rows.requires_grad
-    from_files = draft_vocab_lm_head_rows(ids, embed=embed, tied_target=False, model=str(tiny_model_dir), heads_dir="h")
+    from_files = draft_vocab_lm_head_rows(ids, embed=embed, tied_target=False, embed_scale=1.0, model=str(tiny_model_dir), heads_dir="h")
     torch.testing.assert_close(from_files, rows)
     with pytest.raises(HeadsError, match="h/config.json: draft_vocab_size is set.*'no-such/model' is neither"):
-        draft_vocab_lm_head_rows(ids, embed=embed, tied_target=False, model="no-such/model", heads_dir="h")
+        draft_vocab_lm_head_rows(ids, embed=embed, tied_target=False, embed_scale=1.0, model="no-such/model", heads_dir="h")
 
 
 # ------------------------------------------------------- draft_vocab: the heads' tokens or all

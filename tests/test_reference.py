@@ -75,3 +75,36 @@ def test_prompt_lookup_drafts_stay_lossless(tiny_model, random_heads):
         expected = plain_greedy(tiny_model, prompt, max_new_tokens=40, eos_token_ids=set())
         assert decoder.decode(prompt, max_new_tokens=40).tokens == expected
     assert any(found is not None for found in looked_up)
+
+
+@pytest.fixture(scope="module")
+def tiny_gemma3_model(tmp_path_factory):
+    """A random Gemma 3 whose sliding layers (window 16) see far less than the answers."""
+    from tests.test_model_profile import tiny_gemma3
+
+    out = tmp_path_factory.mktemp("tiny-gemma3-reference")
+    return tiny_gemma3(out), out
+
+
+@pytest.mark.parametrize("tree", ["chain", "consensus"])
+def test_the_oracle_is_lossless_past_a_sliding_window(tiny_gemma3_model, tree):
+    """Gemma 3's sliding layers see 16 keys; prompt and answer run to 100 tokens, every
+    draft accepted (so accepted rows are kept in place across the window's edge), and the
+    decoder's output is transformers' own generate()'s."""
+    (model, _), k = tiny_gemma3_model, 3
+    prompt = [2] + [(7 * i) % 500 + 3 for i in range(39)]
+    expected = plain_greedy(model, prompt, max_new_tokens=61, eos_token_ids=set())
+    oracle = OracleDrafter(model, prompt, expected, num_heads=k, vocab_size=model.config.vocab_size)
+    result = ReferenceDecoder(model, oracle, SpecOptions(tree=tree, prompt_lookup_max=0)).decode(
+        prompt, max_new_tokens=61)
+    assert result.tokens == expected
+    assert [s.accepted_len for s in result.steps] == [k + 1] * 15
+
+
+def test_random_heads_stay_lossless_past_a_sliding_window(tiny_gemma3_model):
+    model, model_dir = tiny_gemma3_model
+    heads = init_heads(model, model_dir, num_heads=3, init_std=0.3, seed=1)
+    decoder = ReferenceDecoder(model, HeadsDrafter(heads, model), SpecOptions(tree="static", min_path_prob=0.0))
+    prompt = [2] + [(11 * i) % 500 + 3 for i in range(29)]
+    assert decoder.decode(prompt, max_new_tokens=50).tokens == plain_greedy(model, prompt, max_new_tokens=50,
+                                                                           eos_token_ids=set())

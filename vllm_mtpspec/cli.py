@@ -205,7 +205,7 @@ def decode_prompts(target, heads, prompts, *, options, max_new_tokens: int, temp
     from tqdm import tqdm
 
     from vllm_mtpspec.drafter import drafter_for
-    from vllm_mtpspec.prompts import apply_chat_template
+    from vllm_mtpspec.prompts import prompt_ids
     from vllm_mtpspec.reference import ReferenceDecoder, plain_greedy
 
     depth = options.depth_for(heads.config, source="--num-heads")
@@ -218,7 +218,7 @@ def decode_prompts(target, heads, prompts, *, options, max_new_tokens: int, temp
                                rank_accuracy=heads.config.rank_accuracy)
     rows = []
     for prompt in tqdm(prompts, desc=f"decoding ({options.tree} tree)", disable=not progress):
-        ids = target.tokenizer.encode(apply_chat_template(target.tokenizer, prompt.text), add_special_tokens=False)
+        ids = prompt_ids(target.tokenizer, prompt.text, prompt.history)
         result = decoder.decode(ids, max_new_tokens=max_new_tokens, eos_token_ids=target.eos_token_ids,
                                 temperature=temperature, seed=seed)
         row = {

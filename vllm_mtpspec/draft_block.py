@@ -602,8 +602,11 @@ def _dense_weight(linear: nn.Module, dtype: torch.dtype) -> torch.Tensor:
 
 
 def _rope_theta(model_config) -> float:
-    """The target's RoPE base: newer transformers keep it in rope_parameters."""
+    """The target's RoPE base: newer transformers keep it in rope_parameters, per layer type
+    where layers differ (Gemma 3: full and sliding); the block attends over its whole
+    window as a full-attention layer does, so it takes that base."""
     parameters = getattr(model_config, "rope_parameters", None) or {}
+    parameters = parameters.get("full_attention", parameters)
     return float(parameters.get("rope_theta") or getattr(model_config, "rope_theta", None) or 10000.0)
 
 

@@ -25,6 +25,7 @@ from typing import Any
 import torch
 
 from vllm_mtpspec.config import BlockConfig, ConfigError, HeadsConfig
+from vllm_mtpspec.model_profile import eagle3_default_layers
 
 ORIGINAL_ARCHITECTURES = ("LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM")
 WEIGHTS_FILE = "model.safetensors"
@@ -44,12 +45,6 @@ LAYER_WEIGHTS = {
     "down_proj.weight": "mlp.down_proj.weight",
 }
 LAYER_PREFIXES = {"speculators": "layers.0.", "original": "midlayer."}
-
-
-def eagle3_default_layers(num_layers: int) -> list[int]:
-    """The layers whose input states EAGLE-3 reads where none are named: vLLM's default for
-    Llama-style targets (low, middle, high)."""
-    return [2, num_layers // 2, num_layers - 3]
 
 
 class Eagle3FormatError(ConfigError):

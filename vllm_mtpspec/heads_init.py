@@ -8,6 +8,7 @@ import torch
 from vllm_mtpspec.checkpoint import model_fingerprint
 from vllm_mtpspec.config import ConfigError, HeadsConfig, layers_beyond
 from vllm_mtpspec.heads import MTPHeads
+from vllm_mtpspec.model_profile import profile_of_hf_config
 
 
 def model_display_name(model_dir: str | Path) -> str:
@@ -21,9 +22,12 @@ def embedding_scale(model) -> float:
     """How much larger the final hidden state is than a token embedding, on average.
     After the final RMSNorm, |h| ~ |norm weight|; token-conditioned heads multiply the
     embedding by this ratio so that neither input drowns the other."""
+    profile = profile_of_hf_config(model.config)
     norm = getattr(getattr(model, "model", model), "norm", None)
-    embed = model.get_input_embeddings().weight.detach().float()
-    hidden_norm = norm.weight.detach().float().norm() if norm is not None else embed.shape[1] ** 0.5
+    # The rows the model feeds its first layer, as the heads read them (Gemma scales them).
+    embed = model.get_input_embeddings().weight.detach().float() * profile.embed_scale
+    hidden_norm = (profile.norm_gain(norm.weight.detach().float()).norm() if norm is not None
+                   else embed.shape[1] ** 0.5)
     return float(hidden_norm / embed.norm(dim=-1).mean().clamp_min(1e-6))
 
 
@@ -98,8 +102,9 @@ def init_draft_block(model, model_dir: str | Path, *, num_heads: int, window: in
         block = DraftBlock(config)
     d = cfg.hidden_size
     norm = getattr(getattr(model, "model", model), "norm", None)
-    # h = n * w for a unit-RMS n: the block's RMS-normed output times RMS(w) is h's scale.
-    scale = float(norm.weight.detach().float().pow(2).mean().sqrt()) if norm is not None else 1.0
+    # h = n * gain for a unit-RMS n: the block's RMS-normed output times RMS(gain) is h's scale.
+    gain = profile_of_hf_config(cfg).norm_gain(norm.weight.detach().float()) if norm is not None else None
+    scale = float(gain.pow(2).mean().sqrt()) if gain is not None else 1.0
     with torch.no_grad():
         block.fuse.weight.zero_()
         block.fuse.weight[:, :d].copy_(torch.eye(d))
@@ -116,8 +121,8 @@ def init_eagle3_layer(model, model_dir: str | Path, *, num_heads: int, seed: int
     of the model's decoder layers, reading feature_layers (default: vLLM's three). Tied: it
     drafts through the target's LM head; else through its own, a copy of it."""
     from vllm_mtpspec.draft_block import block_config_for
-    from vllm_mtpspec.eagle3_format import eagle3_default_layers
     from vllm_mtpspec.eagle3_layer import Eagle3Layer
+    from vllm_mtpspec.model_profile import eagle3_default_layers
 
     cfg = model.config
     feature_layers = list(feature_layers) or eagle3_default_layers(cfg.num_hidden_layers)

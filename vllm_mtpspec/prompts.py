@@ -63,3 +63,25 @@ def apply_chat_template(tokenizer, text: str, history: tuple[tuple[str, str], ..
             messages + [{"role": "user", "content": text}], tokenize=False, add_generation_prompt=True
         )
     return "\n\n".join([content for _, content in history] + [text])
+
+
+def prompt_ids(tokenizer, text: str, history: tuple[tuple[str, str], ...] = (), *,
+               max_prompt_tokens: int | None = None) -> list[int]:
+    """The prompt's token ids as the target reads them, the same for answer data, decode,
+    the reference decoder and the bench. A chat template writes its own special tokens; a
+    plain text gets the tokenizer's (the BOS that Gemma needs, nothing for SmolLM2), as
+    vLLM's text prompts do. A conversation longer than max_prompt_tokens loses its oldest
+    exchanges (user turn and answer together, so the template stays well formed); a single
+    turn still too long keeps its last tokens (after the BOS the tokenizer put first)."""
+    templated = bool(getattr(tokenizer, "chat_template", None))
+    while True:
+        ids = tokenizer.encode(apply_chat_template(tokenizer, text, history), add_special_tokens=not templated)
+        if max_prompt_tokens is None or len(ids) <= max_prompt_tokens:
+            return ids
+        if not history:
+            break
+        history = history[2:]
+    bos = tokenizer.bos_token_id
+    if not templated and bos is not None and ids[0] == bos and max_prompt_tokens > 1:
+        return [bos] + ids[len(ids) - max_prompt_tokens + 1:]
+    return ids[-max_prompt_tokens:]

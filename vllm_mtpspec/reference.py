@@ -6,7 +6,8 @@ the KV cache:
   1. the heads read the hidden state that produced the root and propose candidates;
   2. a tree of candidates is built; root + nodes go through the target in one forward,
      node i at position L + depth(i), attending to the cached prefix, the root and its
-     own ancestors only (a 4-D mask);
+     own ancestors only (a 4-D mask; a sliding layer, Gemma's, only to the keys within
+     its window of each node's position, so its cache keeps every row as full layers do);
   3. verification keeps the longest agreeing path and adds the target's bonus token;
   4. the KV cache keeps the root's and accepted nodes' entries and drops the rest.
 """
@@ -16,11 +17,13 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import torch
+from transformers import DynamicCache
 
 from vllm_mtpspec.config import ConfigError, SpecOptions
 from vllm_mtpspec.drafter import Drafter
 from vllm_mtpspec.layer_states import recording_layer_inputs, with_layer_states
 from vllm_mtpspec.lookup import lookup_draft
+from vllm_mtpspec.model_profile import profile_of_hf_config
 from vllm_mtpspec.tree import TreeShape, chain_tree
 from vllm_mtpspec.tree_builder import DraftTreeBuilder
 from vllm_mtpspec.verify import verify_greedy, verify_sampled
@@ -64,6 +67,7 @@ class ReferenceDecoder:
         self.grows_trees = options.tree == "dynamic" and getattr(drafter, "grows_trees", False)
         # Target layers whose input states the drafter reads beside the final one.
         self.feature_layers = list(getattr(drafter, "feature_layers", None) or [])
+        self.layer_windows = profile_of_hf_config(model.config).layer_windows
 
     @property
     def static_shape(self) -> TreeShape | None:
@@ -131,7 +135,10 @@ class ReferenceDecoder:
         if seed is not None:
             generator = torch.Generator(device="cpu").manual_seed(seed)
         prompt = torch.tensor(prompt_ids, device=device)
-        hidden, logits, cache = self._forward(prompt, torch.arange(len(prompt_ids), device=device), None)
+        # Every layer keeps every row (a sliding layer's window is in its mask): a cache that
+        # drops rows as the window slides could not keep the accepted ones in place.
+        cache = DynamicCache()
+        hidden, logits, cache = self._forward(prompt, torch.arange(len(prompt_ids), device=device), cache)
         context_len = len(prompt_ids)
         root = self._pick(logits[-1], temperature, generator)
         root_hidden = hidden[-1]
@@ -150,10 +157,8 @@ class ReferenceDecoder:
             n = len(shape)
             input_ids = torch.cat([torch.tensor([root], device=device), node_tokens.to(device)])
             depths = torch.tensor((0,) + shape.depths, device=device)
-            mask = torch.ones(n + 1, context_len + n + 1, dtype=torch.bool, device=device)
-            mask[:, context_len:] = shape.ancestor_mask(include_root=True).to(device)
-            additive = torch.zeros(mask.shape, dtype=dtype, device=device).masked_fill_(~mask, torch.finfo(dtype).min)
-            hidden, logits, cache = self._forward(input_ids, context_len + depths, cache, additive[None, None])
+            masks = tree_masks(shape, context_len, self.layer_windows, dtype=dtype, device=device)
+            hidden, logits, cache = self._forward(input_ids, context_len + depths, cache, masks)
             if temperature <= 0:
                 verdict = verify_greedy(shape, node_tokens, logits)
             else:
@@ -176,6 +181,34 @@ class ReferenceDecoder:
                     break
             root = result.tokens[-1]
         return result
+
+
+def tree_masks(shape: TreeShape, context_len: int, layer_windows: tuple[int | None, ...], *, dtype, device):
+    """The additive [1, 1, 1 + n, context_len + 1 + n] mask of a step's root and n nodes:
+    each row sees the prefix, the root and its own ancestors. Where layers slide, a
+    sliding layer sees only keys less than its window behind the row's position, and the
+    model gets one mask per layer type (transformers' mapping for mixed layers)."""
+    def additive(allowed):
+        return torch.zeros(allowed.shape, dtype=dtype, device=device).masked_fill_(~allowed, torch.finfo(dtype).min)[
+            None, None]
+
+    n = len(shape)
+    allowed = torch.ones(n + 1, context_len + n + 1, dtype=torch.bool, device=device)
+    allowed[:, context_len:] = shape.ancestor_mask(include_root=True).to(device)
+    windows = {w for w in layer_windows if w is not None}
+    if not windows:
+        return additive(allowed)
+    if len(windows) > 1:
+        raise ConfigError(f"the target's sliding layers have windows {sorted(windows)}: the reference decoder "
+                          "supports one window size")
+    [window] = windows
+    depths = torch.tensor((0,) + shape.depths, device=device)
+    query = context_len + depths
+    key = torch.cat([torch.arange(context_len, device=device), query])
+    sliding = allowed & (query[:, None] - key[None, :] < window)
+    if all(w is not None for w in layer_windows):
+        return additive(sliding)
+    return {"full_attention": additive(allowed), "sliding_attention": additive(sliding)}
 
 
 def _keep_cache_rows(cache, context_len: int, keep_rows: list[int]) -> None:

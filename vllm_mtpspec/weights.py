@@ -2,7 +2,6 @@
 (training workers need them as plain tensors; the model itself is never built there)."""
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import torch
@@ -24,11 +23,20 @@ def read_tensor(model_dir: Path, names: tuple[str, ...], *, rows: int | None = N
 
 
 def embedding_and_lm_head(model_dir: str | Path) -> tuple[torch.Tensor, torch.Tensor]:
-    """[V, d] input embedding and [V, d] LM head (the same tensor for tied models), fp32."""
+    """[V, d] input embedding and [V, d] LM head, fp32. The embedding is what the model
+    feeds its first layer (Gemma's rows times sqrt(d), as vLLM's embed_input_ids and
+    transformers' embedding module give them), so a drafter reads the same inputs in
+    training as when it serves; the LM head is the raw rows (the same tensor where the
+    model ties them and does not scale)."""
+    from vllm_mtpspec.model_profile import model_profile
+
     path = Path(model_dir)
-    embed = read_tensor(path, EMBED)
-    if embed is None:
+    rows = read_tensor(path, EMBED)
+    if rows is None:
         raise ValueError(f"{path}: no input embedding among {EMBED} in its safetensors files")
-    config = json.loads((path / "config.json").read_text())
-    lm_head = None if config.get("tie_word_embeddings", False) else read_tensor(path, LM_HEAD)
-    return embed.float(), (embed if lm_head is None else lm_head).float()
+    profile = model_profile(path)
+    rows = rows.float()
+    lm_head = None if profile.tied_embeddings else read_tensor(path, LM_HEAD)
+    lm_head = rows if lm_head is None else lm_head.float()  # a folder without lm_head.weight ties them
+    embed = rows * profile.embed_scale if profile.embed_scale != 1.0 else rows
+    return embed, lm_head

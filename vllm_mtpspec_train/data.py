@@ -25,7 +25,7 @@ from tqdm import tqdm
 from vllm_mtpspec.answers import AnswersError, answers_path, prompts_answered, write_answers
 from vllm_mtpspec.layer_states import parse_layer_list
 from vllm_mtpspec.models import resolve_model
-from vllm_mtpspec.prompts import Prompt, apply_chat_template
+from vllm_mtpspec.prompts import Prompt, prompt_ids
 from vllm_mtpspec.sharegpt import is_held_out
 from vllm_mtpspec_train.answers import shards_from_answers
 from vllm_mtpspec_train.prompts import TEXT_SOURCES, load_prompt_source
@@ -34,16 +34,8 @@ logger = logging.getLogger(__name__)
 
 
 def encode_prompt(tokenizer, prompt: Prompt, max_prompt_tokens: int) -> list[int]:
-    """The prompt as the target sees it: chat template over the conversation so far. A
-    conversation longer than max_prompt_tokens loses its oldest exchanges (user turn and
-    answer together, so the template stays well formed); a single turn that is still too
-    long is cut to its last max_prompt_tokens."""
-    history = prompt.history
-    while True:
-        ids = tokenizer.encode(apply_chat_template(tokenizer, prompt.text, history), add_special_tokens=False)
-        if len(ids) <= max_prompt_tokens or not history:
-            return ids[-max_prompt_tokens:]
-        history = history[2:]
+    """The prompt as the target sees it (vllm_mtpspec.prompts.prompt_ids), within max_prompt_tokens."""
+    return prompt_ids(tokenizer, prompt.text, prompt.history, max_prompt_tokens=max_prompt_tokens)
 
 
 def answers_dir_for(out_dir: str | Path, answers_dir: str | Path | None = None) -> Path:

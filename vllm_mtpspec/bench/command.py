@@ -210,10 +210,10 @@ def _cut_prompts(prompts, model: str, max_tokens: int):
 def cut_prompt(prompt, tokenizer, max_tokens: int):
     from dataclasses import replace
 
-    from vllm_mtpspec.prompts import apply_chat_template
+    from vllm_mtpspec.prompts import prompt_ids
 
     def length(p) -> int:
-        return len(tokenizer(apply_chat_template(tokenizer, p.text, p.history), add_special_tokens=False)["input_ids"])
+        return len(prompt_ids(tokenizer, p.text, p.history))
 
     while prompt.history and length(prompt) > max_tokens:
         prompt = replace(prompt, history=prompt.history[2:])  # a user turn and its answer

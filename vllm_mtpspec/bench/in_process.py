@@ -12,7 +12,7 @@ MAX_PROMPT_TOKENS = 512
 
 def in_process_engine(batch_size: int, *, num_prompts: int, max_new_tokens: int, dtype: str = "fp32",
                       speculative_config: dict | None = None):
-    """(the LLM, its batches as chat-templated texts): the bench's prompts cut to its length
+    """(the LLM, its batches as token-id prompts (prompt_ids)): the bench's prompts cut to its length
     budget, in batches of exactly batch_size (repeated where there are fewer prompts), and an
     engine sized for them as the bench sizes its own."""
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
@@ -22,7 +22,7 @@ def in_process_engine(batch_size: int, *, num_prompts: int, max_new_tokens: int,
     from vllm_mtpspec.bench.prompts import load_bench_prompts
     from vllm_mtpspec.bench.runner import batches_for, engine_settings
     from vllm_mtpspec.models import resolve_model
-    from vllm_mtpspec.prompts import apply_chat_template
+    from vllm_mtpspec.prompts import prompt_ids
 
     model = str(resolve_model("smollm2-135m-instruct", dtype=dtype))
     prompts = _cut_prompts(load_bench_prompts(PROMPT_SOURCES, num_prompts), model, MAX_PROMPT_TOKENS)
@@ -30,6 +30,6 @@ def in_process_engine(batch_size: int, *, num_prompts: int, max_new_tokens: int,
                              dtype=dtype)
     llm = LLM(model, **engine, **({"speculative_config": speculative_config} if speculative_config else {}))
     tokenizer = llm.get_tokenizer()
-    batches = [[apply_chat_template(tokenizer, p.text, p.history) for p in group]
+    batches = [[{"prompt_token_ids": prompt_ids(tokenizer, p.text, p.history)} for p in group]
                for group in batches_for(prompts, batch_size)]
     return llm, batches

@@ -79,7 +79,7 @@ def _serve(conn, model: str, engine: dict, speculative_config: dict | None, log_
     try:
         from vllm import LLM, SamplingParams
 
-        from vllm_mtpspec.prompts import apply_chat_template
+        from vllm_mtpspec.prompts import prompt_ids
 
         llm = LLM(model, **engine, **({"speculative_config": speculative_config} if speculative_config else {}))
         tokenizer = llm.get_tokenizer()
@@ -92,7 +92,7 @@ def _serve(conn, model: str, engine: dict, speculative_config: dict | None, log_
         if batch is None:
             return
         try:
-            texts = [apply_chat_template(tokenizer, p.text, p.history) for p in batch.prompts]
+            texts = [{"prompt_token_ids": prompt_ids(tokenizer, p.text, p.history)} for p in batch.prompts]
             params = SamplingParams(temperature=batch.temperature, max_tokens=batch.max_tokens,
                                     ignore_eos=batch.ignore_eos)
             before = _counters(llm)

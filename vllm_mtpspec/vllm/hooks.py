@@ -13,7 +13,9 @@
    the wrapper hands them to our proposer, then calls vLLM's own method (and times it,
    for any proposer: benchmarks report the drafting share of step time).
    GPUModelRunner._setup_eagle3_aux_hidden_state_outputs: a draft block that reads
-   target layers (block.feature_layers) asks vLLM for them as EAGLE-3 does.
+   target layers (block.feature_layers) asks vLLM for them as EAGLE-3 does; a model class
+   without vLLM's EAGLE-3 interface whose forward the plugin knows (Gemma3ForCausalLM)
+   gets it (install_layer_states_for, gemma3_layers.py).
    GPUModelRunner._on_request_state_removed (vLLM's hook for request-scoped side caches,
    called for every finished or aborted request, in empty steps too) tells the proposer
    to drop what it holds for that request.
@@ -309,6 +311,34 @@ _active_tree_step = None
 _tree_query_starts = None
 _tree_attention_plan = None
 _move_tree_kv = None
+
+
+def install_layer_states_for(architecture: str) -> None:
+    """Gives the target's model class vLLM's EAGLE-3 interface (the states entering
+    chosen layers) where vLLM's own class lacks it and the plugin knows the class's
+    forward: Gemma3ForCausalLM (gemma3.py, the same in 0.32 and 0.33). The proposer calls
+    this from its __init__, which the model runner runs before it builds the model:
+    vLLM compiles the forward the class has when an instance is made."""
+    if architecture != "Gemma3ForCausalLM" or "gemma3_layer_states" in _installed:
+        return
+    from vllm.model_executor.models import gemma3
+    from vllm.model_executor.models.interfaces import EagleModelMixin, SupportsEagle3
+
+    causal, model = gemma3.Gemma3ForCausalLM, gemma3.Gemma3Model
+    if not getattr(causal, "supports_eagle3", False):  # a vLLM that has the interface needs nothing
+        _require(model, "forward", "embed_input_ids")
+        from vllm_mtpspec.vllm.gemma3_layers import gemma3_forward_with_layer_states
+
+        if not issubclass(model, EagleModelMixin):
+            model.__bases__ = (*model.__bases__, EagleModelMixin)
+        model.forward = gemma3_forward_with_layer_states
+        causal.supports_eagle3 = True
+        causal.has_own_lm_head = False
+        causal.has_own_embed_tokens = False
+        causal.set_aux_hidden_state_layers = SupportsEagle3.set_aux_hidden_state_layers
+        causal.get_eagle3_default_aux_hidden_state_layers = SupportsEagle3.get_eagle3_default_aux_hidden_state_layers
+        logger.debug("mtpspec: Gemma3ForCausalLM returns the states entering chosen layers (vLLM's EAGLE-3 interface)")
+    _installed.add("gemma3_layer_states")
 
 
 def install_tree_hooks() -> None:

@@ -36,12 +36,14 @@ from vllm_mtpspec.draft_planner import Candidate, DraftPlanner
 from vllm_mtpspec.draft_size import Allowance, Drafted, DraftSizeRule, StepView, draft_size_rule
 from vllm_mtpspec.draft_vocab import SlicedLMHead
 from vllm_mtpspec.lookup import lookup_draft
+from vllm_mtpspec.model_profile import profile_of_hf_config
 from vllm_mtpspec.quant.int8_dynamic import Int8Linear, int8_linears
 from vllm_mtpspec.tree import TreeShape, chain_tree
 from vllm_mtpspec.tree_builder import DraftTreeBuilder
 from vllm_mtpspec.vllm.block_context import BlockContexts, ScheduledRows
 from vllm_mtpspec.vllm.context_store import DEFAULT_CONTEXT_STORE_MB, ContextStore
 from vllm_mtpspec.vllm.fallback import log_fallback_once
+from vllm_mtpspec.vllm.hooks import install_layer_states_for
 from vllm_mtpspec.vllm.logs import logger
 from vllm_mtpspec.vllm.options import check_against_model, options_from_additional_config
 from vllm_mtpspec.vllm.parallel import RankZeroDecision, tensor_parallel_group
@@ -86,7 +88,10 @@ class MTPSpecProposer:
         self.depth = wanted or self.heads_config.num_heads
         self.model_path = model_config.model
         self._model_config = model_config
-        self.tied_target = bool(getattr(hf_config, "tie_word_embeddings", False))
+        self.profile = profile_of_hf_config(hf_config)
+        if self.heads_config.feature_layers:  # before the runner builds the model (hooks.py says why)
+            install_layer_states_for(self.profile.architecture)
+        self.tied_target = self.profile.tied_embeddings
         self.dtype = model_config.dtype
         self.device = torch.device(vllm_config.device_config.device)
         self.int8_drafts = int8_drafting(self.options.draft_dtype, self.device, self.dtype,
@@ -205,7 +210,8 @@ class MTPSpecProposer:
             self._draft_ids = self.heads.draft_vocab.to(self.device)
         if self.heads.draft_vocab is not None and not own_head:
             rows = draft_vocab_lm_head_rows(self._draft_ids, embed=self._embed, tied_target=self.tied_target,
-                                            model=self.model_path, heads_dir=self.options.heads)
+                                            embed_scale=self.profile.embed_scale, model=self.model_path,
+                                            heads_dir=self.options.heads)
             self._lm_head = (Int8Linear.from_weight(rows.to(self.device)) if self.int8_drafts
                              else SlicedLMHead(rows.to(self.device, self.draft_dtype)))
         if self.block_contexts is not None:
@@ -472,15 +478,18 @@ class MTPSpecProposer:
 
 
 def draft_vocab_lm_head_rows(draft_ids: torch.Tensor, *, embed: Callable[[torch.Tensor], torch.Tensor],
-                             tied_target: bool, model: str, heads_dir: str) -> torch.Tensor:
+                             tied_target: bool, embed_scale: float, model: str, heads_dir: str) -> torch.Tensor:
     """The [N, d] rows of the target's LM head for the draft vocabulary's ids. A tied
     target's LM head is its input embedding, read through the loaded embedding module:
     whatever vLLM loaded the weights from (a hub id, any load format), and on every
     tensor-parallel rank all N rows (the vocab-parallel embedding gathers them). Its LM-head
-    weight itself may be repacked on the CPU. An untied target's rows come from its files."""
+    weight itself may be repacked on the CPU. The module scales its rows where the model
+    does (Gemma: sqrt(d)); the LM head's rows are the unscaled ones. An untied target's
+    rows come from its files."""
     if tied_target:
         with torch.no_grad():
-            return embed(draft_ids).detach()
+            rows = embed(draft_ids).detach()
+        return rows / embed_scale if embed_scale != 1.0 else rows
     return draft_vocab_lm_head_weight(model, heads_dir)[draft_ids.cpu()]
 
 
