@@ -137,6 +137,49 @@ def test_report_arithmetic_tables_and_plots(tmp_path):
         assert image.size[0] > 1000 and image.size[1] > 400
 
 
+def test_drafts_accepted_past_a_stop_do_not_count():
+    """vLLM's counter says 10 drafts were accepted in 4 verification steps; the output kept
+    12 tokens over 6 steps that emitted any (the prefill's first token, 4 steps with drafts
+    and one without), so 6 drafts were accepted up to the stop: 4 more ran past it."""
+    methods = [Method("none", "none", None), Method("ngram k=3", "ngram", {})]
+    tallies = {("none", 1, 0.0): tally(12, 1.0, [[0] * 12]),
+               ("ngram k=3", 1, 0.0): tally(12, 1.0, [[0] * 12], num_drafts=4, num_accepted_tokens=10,
+                                            emitting_steps=6)}
+    ngram = next(r for r in summarize(methods, tallies) if r["method"] == "ngram k=3")
+    assert ngram["tokens_per_step"] == 2.0
+    assert ngram["mean_accepted_length"] == 2.5
+
+
+@pytest.mark.slow
+def test_the_workers_step_count_is_what_the_output_kept(tmp_path):
+    """In a real engine with vLLM's ngram (which drafts past max_tokens): the tokens are
+    llm.generate's, and tokens - steps never exceeds vLLM's own accepted count."""
+    import gc
+    import os
+
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    from vllm import LLM, SamplingParams
+
+    from tests.test_vllm_integration import ENGINE
+    from vllm_mtpspec.bench.worker import _counters, _delta, generate_counting_steps
+    from vllm_mtpspec.models import fetch_model
+
+    llm = LLM(str(fetch_model("smollm2-135m-instruct", dtype="fp32")), **ENGINE, speculative_config={
+        "method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 2, "prompt_lookup_max": 3})
+    prompts = [{"prompt_token_ids": [1, 9690, 198] + [28, 253, 29, 30, 31] * 12}, {"prompt_token_ids": [1, 2020, 314]}]
+    params = SamplingParams(temperature=0.0, max_tokens=7, ignore_eos=True)
+    expected = [list(o.outputs[0].token_ids) for o in llm.generate(prompts, params, use_tqdm=False)]
+    before = _counters(llm)
+    tokens, steps = generate_counting_steps(llm, prompts, params)
+    counters = _delta(_counters(llm), before)
+    del llm
+    gc.collect()
+    assert tokens == expected and sum(map(len, tokens)) == 14
+    assert counters["num_drafts"] > 0
+    assert 2 <= steps <= 14
+    assert sum(map(len, tokens)) - steps <= counters["num_accepted_tokens"]
+
+
 @pytest.mark.slow
 def test_bench_end_to_end_writes_json_markdown_and_plot(tmp_path):
     """Two engines (vLLM alone and mtpspec trees), HumanEval prompts, batch sizes 1 and 2."""

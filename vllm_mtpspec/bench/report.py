@@ -3,9 +3,13 @@
 Definitions:
 - speed-up: output tokens per second over the same method-less run (same batches).
 - mean accepted length: tokens emitted per verification step of a request that carried
-  drafts, 1 + accepted drafts / verification steps (vLLM's spec-decode counters).
+  drafts, 1 + accepted drafts / verification steps (vLLM's count of those steps).
 - tokens a step: tokens emitted per step of a request, drafts or none: output tokens /
-  (output tokens - accepted drafts), as each step emits one token and its accepted drafts.
+  the steps that emitted them.
+- accepted drafts: output tokens - the steps that emitted them (each step emits one token
+  of the target's own), so only drafts up to a request's stop count, for every method
+  alike. vLLM's own counter also counts drafts accepted past a stop (end of sequence or
+  max_tokens) that the output drops; acceptance per position is still vLLM's.
   A method that drafts only where it finds something (ngram) keeps a high mean accepted
   length over few steps; this compares methods over the same steps.
 - efficiency: speed-up / mean accepted length, the share of the ideal speed-up (free
@@ -20,11 +24,18 @@ from vllm_mtpspec.bench.methods import Method
 from vllm_mtpspec.bench.runner import Tally
 
 
-def _acceptance(counters: dict) -> tuple[float | None, list[float]]:
+def accepted_drafts(counters: dict, tokens: int) -> int:
+    """Drafts accepted up to each request's stop (the worker counts the steps that emitted
+    tokens), or vLLM's counter where no step count came."""
+    steps = counters.get("emitting_steps")
+    return tokens - steps if steps is not None else counters.get("num_accepted_tokens", 0)
+
+
+def _acceptance(counters: dict, tokens: int) -> tuple[float | None, list[float]]:
     steps = counters.get("num_drafts", 0)
     if not steps:
         return None, []
-    accepted = counters.get("num_accepted_tokens", 0)
+    accepted = accepted_drafts(counters, tokens)
     per_position = [round(a / steps, 4) for a in counters.get("num_accepted_tokens_per_pos", [])]
     while per_position and per_position[-1] == 0:
         per_position.pop()
@@ -38,8 +49,8 @@ def summarize(methods: list[Method], tallies: dict[tuple[str, int, float], Tally
         tok_s = tally.tokens / tally.seconds if tally.seconds else 0.0
         base_tok_s = base.tokens / base.seconds if base and base.seconds else None
         speedup = tok_s / base_tok_s if base_tok_s else None
-        mean_len, per_position = _acceptance(tally.counters)
-        steps = tally.tokens - tally.counters.get("num_accepted_tokens", 0)
+        mean_len, per_position = _acceptance(tally.counters, tally.tokens)
+        steps = tally.tokens - accepted_drafts(tally.counters, tally.tokens)
         row = {
             "method": name, "batch_size": batch_size, "temperature": temperature,
             "output_tokens": tally.tokens, "seconds": round(tally.seconds, 3), "tokens_per_s": round(tok_s, 2),
@@ -59,7 +70,7 @@ def summarize(methods: list[Method], tallies: dict[tuple[str, int, float], Tally
                 row["by_category"][category] = {
                     "tokens_per_s": round(cat_tok_s, 2),
                     "speedup": round(cat_tok_s / base_cat, 3) if base_cat else None,
-                    "mean_accepted_length": _acceptance(slot["counters"])[0],
+                    "mean_accepted_length": _acceptance(slot["counters"], slot["tokens"])[0],
                 }
         rows.append(row)
     order = {m.name: i for i, m in enumerate(methods)}

@@ -3,8 +3,9 @@ that methods can take turns on the same prompts (this machine is shared and nois
 side by side, alternating, compare better than runs one after another).
 
 The parent talks to a worker over a pipe: it sends prompts, the worker answers with the
-tokens, the wall time of llm.generate, and the deltas of vLLM's spec-decode counters and
-of the time spent drafting. The worker's own output (vLLM's logs) goes to a log file.
+tokens, the wall time of generating them (llm.generate's loop, counting the steps that
+emitted tokens), and the deltas of vLLM's spec-decode counters and of the time spent
+drafting. The worker's own output (vLLM's logs) goes to a log file.
 """
 from __future__ import annotations
 
@@ -47,6 +48,34 @@ def _delta(after: dict, before: dict) -> dict:
         else:
             out[key] = value - (old or 0)
     return out
+
+
+def generate_counting_steps(llm, prompts: list, params) -> tuple[list[list[int]], int]:
+    """llm.generate's loop (vLLM's _run_engine: add every request, step the engine until
+    none is left) through the engine's public add_request and step, each request's output
+    streamed: (every request's tokens, in prompt order; the steps that emitted any of
+    them). Each such step emitted one token of the target's own and the rest were accepted
+    drafts, so tokens - steps counts the drafts accepted up to each request's stop. vLLM's
+    num_accepted_tokens also counts drafts accepted past a stop (end of sequence or
+    max_tokens), which the output then drops; a method whose drafts run past the stop
+    would gain from it."""
+    from vllm.sampling_params import RequestOutputKind
+
+    params = params.clone()
+    params.output_kind = RequestOutputKind.DELTA
+    engine = llm.llm_engine
+    ids = [f"bench-{time.monotonic_ns()}-{i}" for i in range(len(prompts))]
+    for request_id, prompt in zip(ids, prompts):
+        engine.add_request(request_id, prompt, params)
+    tokens: dict[str, list[int]] = {request_id: [] for request_id in ids}
+    steps = 0
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            new = output.outputs[0].token_ids if output.outputs else []
+            if new:
+                tokens[output.request_id].extend(new)
+                steps += 1
+    return [tokens[request_id] for request_id in ids], steps
 
 
 class PausedBetweenTurns:
@@ -97,10 +126,11 @@ def _serve(conn, model: str, engine: dict, speculative_config: dict | None, log_
                                     ignore_eos=batch.ignore_eos)
             before = _counters(llm)
             started = time.perf_counter()
-            outputs = llm.generate(texts, params, use_tqdm=False)
+            token_ids, emitting_steps = generate_counting_steps(llm, texts, params)
             seconds = time.perf_counter() - started
-            conn.send({"token_ids": [list(o.outputs[0].token_ids) for o in outputs], "seconds": seconds,
-                       "counters": _delta(_counters(llm), before)})
+            counters = _delta(_counters(llm), before)
+            counters["emitting_steps"] = emitting_steps
+            conn.send({"token_ids": token_ids, "seconds": seconds, "counters": counters})
         except Exception as err:
             conn.send({"error": f"{type(err).__name__}: {err}", "trace": traceback.format_exc()})
 
