@@ -41,11 +41,11 @@ def test_a_gemma3_profile_says_what_differs_from_llama(gemma3_dir, tiny_model_di
     assert gemma.embed_scale == pytest.approx(math.sqrt(64))
     assert gemma.norm_gain_offset == 1.0 and gemma.needs_bos
     assert gemma.layer_windows == (16, 16, 16, 16, 16, None)
-    assert gemma.smallest_window == 16 and gemma.sliding
     assert gemma.default_feature_layers == [2, 3]
 
     llama = model_profile(tiny_model_dir)
-    assert (llama.embed_scale, llama.norm_gain_offset, llama.sliding, llama.needs_bos) == (1.0, 0.0, False, False)
+    assert (llama.embed_scale, llama.norm_gain_offset, llama.needs_bos) == (1.0, 0.0, False)
+    assert llama.layer_windows == (None, None)
     assert llama.tied_embeddings and llama.num_layers == 2
 
 

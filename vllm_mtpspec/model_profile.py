@@ -58,15 +58,6 @@ class ModelProfile:
     needs_bos: bool
 
     @property
-    def sliding(self) -> bool:
-        return any(w is not None for w in self.layer_windows)
-
-    @property
-    def smallest_window(self) -> int | None:
-        windows = [w for w in self.layer_windows if w is not None]
-        return min(windows) if windows else None
-
-    @property
     def default_feature_layers(self) -> list[int]:
         return eagle3_default_layers(self.num_layers)
 
