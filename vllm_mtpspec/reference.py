@@ -156,9 +156,9 @@ class ReferenceDecoder:
                 shape, node_tokens = self._lookup(prompt_ids + result.tokens) or self._tree(head_logits)
             n = len(shape)
             input_ids = torch.cat([torch.tensor([root], device=device), node_tokens.to(device)])
-            depths = torch.tensor((0,) + shape.depths, device=device)
-            masks = tree_masks(shape, context_len, self.layer_windows, dtype=dtype, device=device)
-            hidden, logits, cache = self._forward(input_ids, context_len + depths, cache, masks)
+            positions = context_len + torch.tensor((0,) + shape.depths, device=device)
+            masks = tree_masks(shape, positions, context_len, self.layer_windows, dtype=dtype, device=device)
+            hidden, logits, cache = self._forward(input_ids, positions, cache, masks)
             if temperature <= 0:
                 verdict = verify_greedy(shape, node_tokens, logits)
             else:
@@ -183,10 +183,11 @@ class ReferenceDecoder:
         return result
 
 
-def tree_masks(shape: TreeShape, context_len: int, layer_windows: tuple[int | None, ...], *, dtype, device):
-    """The additive [1, 1, 1 + n, context_len + 1 + n] mask of a step's root and n nodes:
-    each row sees the prefix, the root and its own ancestors. Where layers slide, a
-    sliding layer sees only keys less than its window behind the row's position, and the
+def tree_masks(shape: TreeShape, positions: torch.Tensor, context_len: int, layer_windows: tuple[int | None, ...],
+               *, dtype, device):
+    """The additive [1, 1, 1 + n, context_len + 1 + n] mask of a step's root and n nodes
+    (at `positions`): each row sees the prefix, the root and its own ancestors. Where layers
+    slide, a sliding layer sees only keys less than its window behind the row's position, and the
     model gets one mask per layer type (transformers' mapping for mixed layers)."""
     def additive(allowed):
         return torch.zeros(allowed.shape, dtype=dtype, device=device).masked_fill_(~allowed, torch.finfo(dtype).min)[
@@ -202,10 +203,8 @@ def tree_masks(shape: TreeShape, context_len: int, layer_windows: tuple[int | No
         raise ConfigError(f"the target's sliding layers have windows {sorted(windows)}: the reference decoder "
                           "supports one window size")
     [window] = windows
-    depths = torch.tensor((0,) + shape.depths, device=device)
-    query = context_len + depths
-    key = torch.cat([torch.arange(context_len, device=device), query])
-    sliding = allowed & (query[:, None] - key[None, :] < window)
+    key = torch.cat([torch.arange(context_len, device=device), positions])
+    sliding = allowed & (positions[:, None] - key[None, :] < window)
     if all(w is not None for w in layer_windows):
         return additive(sliding)
     return {"full_attention": additive(allowed), "sliding_attention": additive(sliding)}
