@@ -466,6 +466,17 @@ def test_training_continues_from_earlier_heads_of_the_same_shape_and_model(tiny_
     torch.testing.assert_close(resumed.q_proj.weight, load_heads(block_dir).q_proj.weight)
     with pytest.raises(TrainConfigError, match=r"its heads have \{'head_kind': 'parallel'\}"):
         initial_heads(TrainConfig(**as_block, init_from=str(earlier_dir)), Path(tiny_smol_teacher))
+    # mlp_size sets a fresh block's MLP width (the target layer's where unset) and must match
+    # a block trained further; an EAGLE-3 layer is shaped like the target's layer and refuses it.
+    layer_width = teacher.model.config.intermediate_size
+    narrow = initial_heads(TrainConfig(**as_block, mlp_size=layer_width // 2), Path(tiny_smol_teacher))
+    assert narrow.config.block.mlp_size == layer_width // 2 and narrow.gate_proj.weight.shape[0] == layer_width // 2
+    assert initial_heads(TrainConfig(**as_block), Path(tiny_smol_teacher)).gate_proj.weight.shape[0] == layer_width
+    with pytest.raises(TrainConfigError, match=rf"its heads have \{{'mlp_size': {layer_width}\}}"):
+        initial_heads(TrainConfig(**as_block, mlp_size=layer_width // 2, init_from=str(block_dir)),
+                      Path(tiny_smol_teacher))
+    with pytest.raises(TrainConfigError, match="mlp_size=16 with head_kind='eagle3'.*remove mlp_size"):
+        TrainConfig(model=str(tiny_smol_teacher), head_kind="eagle3", mlp_size=16, int2_group_size=None)
     # Sequential heads start from parallel heads: every depth a copy of their head 1.
     seeded = initial_heads(TrainConfig(model=str(tiny_smol_teacher), num_heads=2, head_input="hidden+token",
                                        mlp_size=32, head_kind="sequential", init_from=str(earlier_dir)),

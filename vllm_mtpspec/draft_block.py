@@ -610,14 +610,15 @@ def _rope_theta(model_config) -> float:
     return float(parameters.get("rope_theta") or getattr(model_config, "rope_theta", None) or 10000.0)
 
 
-def block_config_for(model_config, *, window: int = 1024, feature_layers=()) -> BlockConfig:
-    """A block shaped like one of the target's own decoder layers."""
+def block_config_for(model_config, *, window: int = 1024, feature_layers=(), mlp_size: int = 0) -> BlockConfig:
+    """A block shaped like one of the target's own decoder layers (its MLP mlp_size wide
+    where that is set)."""
     heads = model_config.num_attention_heads
     return BlockConfig(
         attention_heads=heads,
         kv_heads=getattr(model_config, "num_key_value_heads", None) or heads,
         head_dim=getattr(model_config, "head_dim", None) or model_config.hidden_size // heads,
-        mlp_size=model_config.intermediate_size,
+        mlp_size=mlp_size or model_config.intermediate_size,
         rope_theta=_rope_theta(model_config),
         rms_norm_eps=float(getattr(model_config, "rms_norm_eps", 1e-5)),
         window=window,

@@ -84,19 +84,21 @@ def _layer_config(model, model_dir: str | Path, *, num_heads: int, head_kind: st
 
 
 def init_draft_block(model, model_dir: str | Path, *, num_heads: int, window: int = 1024, seed: int = 0,
-                     feature_layers: list[int] | tuple[int, ...] = ()):
+                     feature_layers: list[int] | tuple[int, ...] = (), mlp_size: int = 0):
     """A fresh attention draft block shaped like one of the model's decoder layers that
     starts by passing the feature through: its fusion reads the feature alone, attention
     and MLP add nothing yet (their output matrices are zero) and the output norm puts the
     result back on h's scale, so an untrained block drafts what the LM head says on h,
     as untrained parallel heads do, rather than noise. feature_layers: target layers
-    whose input states it reads too (their fusion starts at zero)."""
+    whose input states it reads too (their fusion starts at zero). mlp_size: its MLP's
+    width (0: the layer's); a narrower one keeps a large model's drafter small."""
     from vllm_mtpspec.draft_block import DraftBlock, block_config_for
 
     cfg = model.config
     check_feature_layers(feature_layers, cfg.num_hidden_layers, where="feature_layers")
     config = _layer_config(model, model_dir, num_heads=num_heads, head_kind="attention",
-                           block=block_config_for(cfg, window=window, feature_layers=feature_layers))
+                           block=block_config_for(cfg, window=window, feature_layers=feature_layers,
+                                                  mlp_size=mlp_size))
     with torch.random.fork_rng():
         torch.manual_seed(seed)
         block = DraftBlock(config)

@@ -62,7 +62,8 @@ class TrainConfig:
     num_heads: int = 4                         # draft depths trained
     tied: bool = True
     head_input: str = "hidden"
-    mlp_size: int = 0                          # each head's hidden layer (0: none; see HeadsConfig)
+    mlp_size: int = 0                          # each head's hidden layer (0: none; see HeadsConfig), or a
+                                               # draft block's MLP width (0: the target layer's)
     init_from: str | None = None               # a heads directory to train further (None: fresh heads)
     # head_kind="attention": target layers whose input states the block reads too
     # (EAGLE-3); a block in init_from that reads none grows the new fusion, starting at 0.
@@ -162,6 +163,12 @@ class TrainConfig:
             raise TrainConfigError(f"feature_layers={self.feature_layers} with head_kind={self.head_kind!r}: only an "
                                    "attention draft block reads other layers' states; set head_kind='attention' or "
                                    "leave feature_layers empty")
+        if self.mlp_size < 0:
+            raise TrainConfigError(f"mlp_size={self.mlp_size}: must be >= 0 (0: no hidden layer, or a block's "
+                                   "MLP as wide as the target layer's)")
+        if self.mlp_size and kind.needs_block_shape and not kind.sizes_block_mlp:
+            raise TrainConfigError(f"mlp_size={self.mlp_size} with head_kind={self.head_kind!r}: {kind.noun} are "
+                                   "shaped like the target's own layer; remove mlp_size")
         if kind.token_conditioned_only and self.head_input != "hidden+token":
             raise TrainConfigError(f"head_kind={self.head_kind!r} with head_input={self.head_input!r}, "
                                    f"tied={self.tied}: each depth reads the token drafted before it through the "

@@ -382,7 +382,11 @@ def initial_heads(config: TrainConfig, heads_base: Path):
     asked.update({key: getattr(config, key) for key in config.kind.shape_fields})
     if "feature_layers" in asked:
         asked["feature_layers"] = list(asked["feature_layers"])
-    found = {key: heads.feature_layers if key == "feature_layers" else getattr(heads.config, key) for key in asked}
+    if config.kind.sizes_block_mlp and config.mlp_size:  # 0: whatever width the block has
+        asked["mlp_size"] = config.mlp_size
+    found = {key: heads.feature_layers if key == "feature_layers"
+             else heads.config.block.mlp_size if key == "mlp_size" and config.kind.sizes_block_mlp
+             else getattr(heads.config, key) for key in asked}
     if found != asked:
         differ = sorted(key for key in asked if found[key] != asked[key])
         raise TrainConfigError(

@@ -15,10 +15,12 @@ class AttentionKind(DrafterKind):
     def initial_heads(self, model, model_dir, *, num_heads: int, seed: int, tied: bool = True,
                       head_input: str = "hidden", mlp_size: int = 0, init_std: float = 0.0,
                       feature_layers: list[int] = ()):
-        """A block shaped as the model's own layers (its shape is not the job's fields)."""
+        """A block shaped as one of the model's own layers; mlp_size (0: the layer's) sets
+        its MLP's width, which is most of its weights."""
         from vllm_mtpspec.heads_init import init_draft_block
 
-        return init_draft_block(model, model_dir, num_heads=num_heads, seed=seed, feature_layers=list(feature_layers))
+        return init_draft_block(model, model_dir, num_heads=num_heads, seed=seed, feature_layers=list(feature_layers),
+                                mlp_size=mlp_size)
 
 
 ATTENTION = AttentionKind(
@@ -36,6 +38,7 @@ ATTENTION = AttentionKind(
     needs_block_shape=True,
     tied_only=True,
     shape_fields=("feature_layers",),
+    sizes_block_mlp=True,
     # Quantization-aware steps train MLP heads only so far; int2_method 'gptq-refit'
     # calibrates the block's INT2 copy on whole answers instead.
     quantize_aware_training=False,

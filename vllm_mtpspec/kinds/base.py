@@ -75,6 +75,8 @@ class DrafterKind:
     # -- how it is trained ----------------------------------------------------------------
     # The training job's fields that fix its shape (an earlier run to train further must match).
     shape_fields: tuple[str, ...] = ("head_input", "mlp_size")
+    # The job's mlp_size sets its block's MLP width (0: the target layer's), where it has a block.
+    sizes_block_mlp: bool = False
     # Quantization-aware steps can train its INT2 copy.
     quantize_aware_training: bool = True
     # The training job trains it tied to the target's LM head only (an LM head of its own is
