@@ -342,12 +342,12 @@ def spec_counters(llm) -> dict:
 
 def engine_settings(args, row: str, model: Path, spec_tokens: int) -> dict:
     """The bench's engine sizing (bench/runner.py), with what the device asks on top."""
-    from vllm_mtpspec.bench.command import _kv_bytes_per_token
     from vllm_mtpspec.bench.runner import engine_settings as bench_settings
+    from vllm_mtpspec.bench.runner import kv_bytes_per_token
 
     max_batch = max(args.batch_sizes)
     engine = bench_settings(max_batch, args.max_prompt_tokens, max(args.max_new_tokens, args.timing_tokens),
-                            _kv_bytes_per_token(str(model), args.dtype), dtype=args.dtype)
+                            kv_bytes_per_token(str(model), args.dtype), dtype=args.dtype)
     engine["max_num_seqs"] = max(max_batch, args.num_prompts)
     engine["async_scheduling"] = row == "none-async"
     if args.load_format != "auto":

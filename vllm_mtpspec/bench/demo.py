@@ -1,6 +1,6 @@
-"""The main job: SmolLM2-135M-Instruct in vLLM, alone and with the shipped heads (as a
-chain, as a tree, and as a chain with prompt lookup), on a handful of prompts, with a
-small side-by-side table."""
+"""The main job: a known model (SmolLM2-135M-Instruct by default) in vLLM, alone and with
+its drafter (as a chain, as a tree, and as a chain with prompt lookup), on a handful of
+prompts, with a small side-by-side table."""
 from __future__ import annotations
 
 import tempfile
@@ -9,20 +9,20 @@ from pathlib import Path
 DEMO_PROMPTS = Path(__file__).resolve().parent.parent.parent / "benchmarks" / "prompts" / "demo.jsonl"
 
 
-def run_demo(*, heads_dir: str, tree: str | None, num_heads: int, max_tree_nodes: int, max_new_tokens: int,
-             limit: int) -> int:
+def run_demo(*, model_name: str, heads_dir: str, tree: str | None, num_heads: int, max_tree_nodes: int,
+             max_new_tokens: int, limit: int) -> int:
     from transformers import AutoTokenizer
 
     from vllm_mtpspec.bench.methods import PROMPT_LOOKUP_MAX, Method
     from vllm_mtpspec.bench.report import summarize
-    from vllm_mtpspec.bench.runner import engine_settings, run_benchmark
+    from vllm_mtpspec.bench.runner import engine_settings, kv_bytes_per_token, run_benchmark
     from vllm_mtpspec.checkpoint import read_heads_config
     from vllm_mtpspec.models import fetch_model
     from vllm_mtpspec.prompts import load_prompts_jsonl
 
     tree = tree or read_heads_config(heads_dir).kind.default_tree
 
-    model = str(fetch_model("smollm2-135m-instruct", dtype="fp32"))
+    model = str(fetch_model(model_name, dtype="fp32"))
     prompts = load_prompts_jsonl(DEMO_PROMPTS, limit=limit)
     mtpspec = {"method": "mtpspec", "model": heads_dir, "num_speculative_tokens": num_heads}
     heads_alone = {**mtpspec, "prompt_lookup_max": 0}
@@ -35,7 +35,7 @@ def run_demo(*, heads_dir: str, tree: str | None, num_heads: int, max_tree_nodes
                {**mtpspec, "tree": "chain", "prompt_lookup_max": PROMPT_LOOKUP_MAX}),
     ]
     print(f"model: {model}\nheads: {heads_dir}\nstarting {len(methods)} vLLM engines (CPU, fp32) ...")
-    engine = engine_settings(1, 512, max_new_tokens, bytes_per_token=30 * 2 * 3 * 64 * 4)
+    engine = engine_settings(1, 512, max_new_tokens, bytes_per_token=kv_bytes_per_token(model, "fp32"))
     with tempfile.TemporaryDirectory() as logs:
         tallies = run_benchmark(methods, prompts, model=model, batch_sizes=[1], temperatures=[0.0],
                                 max_new_tokens=max_new_tokens, rounds=1, engine=engine, log_dir=Path(logs),

@@ -18,15 +18,15 @@ def in_process_engine(batch_size: int, *, num_prompts: int, max_new_tokens: int,
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     from vllm import LLM
 
-    from vllm_mtpspec.bench.command import _cut_prompts, _kv_bytes_per_token
+    from vllm_mtpspec.bench.command import _cut_prompts
     from vllm_mtpspec.bench.prompts import load_bench_prompts
-    from vllm_mtpspec.bench.runner import batches_for, engine_settings
+    from vllm_mtpspec.bench.runner import batches_for, engine_settings, kv_bytes_per_token
     from vllm_mtpspec.models import resolve_model
     from vllm_mtpspec.prompts import prompt_ids
 
     model = str(resolve_model("smollm2-135m-instruct", dtype=dtype))
     prompts = _cut_prompts(load_bench_prompts(PROMPT_SOURCES, num_prompts), model, MAX_PROMPT_TOKENS)
-    engine = engine_settings(batch_size, MAX_PROMPT_TOKENS, max_new_tokens, _kv_bytes_per_token(model, dtype),
+    engine = engine_settings(batch_size, MAX_PROMPT_TOKENS, max_new_tokens, kv_bytes_per_token(model, dtype),
                              dtype=dtype)
     llm = LLM(model, **engine, **({"speculative_config": speculative_config} if speculative_config else {}))
     tokenizer = llm.get_tokenizer()

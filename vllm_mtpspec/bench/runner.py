@@ -61,6 +61,15 @@ def batches_for(prompts: list[Prompt], batch_size: int) -> list[list[Prompt]]:
     return [pool[i: i + batch_size] for i in range(0, needed, batch_size)]
 
 
+def kv_bytes_per_token(model: str, dtype: str) -> int:
+    """The KV cache bytes one token takes in every layer of the model folder's config."""
+    config = json.loads((Path(model) / "config.json").read_text())
+    heads = config.get("num_key_value_heads", config["num_attention_heads"])
+    head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+    element = {"fp32": 4, "bf16": 2}[dtype]  # the KV cache is kept in the model's dtype
+    return 2 * config["num_hidden_layers"] * heads * head_dim * element
+
+
 def engine_settings(max_batch: int, max_prompt_tokens: int, max_new_tokens: int, bytes_per_token: int,
                     dtype: str = "fp32") -> dict:
     tokens = max_batch * (max_prompt_tokens + max_new_tokens + 64)

@@ -16,7 +16,7 @@ from pathlib import Path
 
 from vllm_mtpspec.bench.servers import running_server
 from vllm_mtpspec.sharegpt import is_held_out, iter_sharegpt, sharegpt_path
-from vllm_mtpspec.shipped import shipped_heads_dir
+from vllm_mtpspec.shipped import shipped_heads_for
 
 DESCRIPTION = """\
 Measure a server with mtpspec against vLLM alone with vLLM's own serving benchmark
@@ -131,7 +131,7 @@ def run(args) -> int:
     if args.mtpspec_url:
         results = measure_all({"mtpspec": args.mtpspec_url, "plain": args.plain_url}, args, model, dataset, levels, work)
     else:
-        heads = str(shipped_heads_dir()) if args.heads == "shipped" else args.heads
+        heads = str(shipped_heads_for(args.model, "mtpspec bench-serve")) if args.heads == "shipped" else args.heads
         vllm_args = args.server_args.split()
         spec_args = [*vllm_args, *(["--options", args.options] if args.options else [])]
         with running_server("plain", model, None, work / "plain-server.log", vllm_args) as plain, \
