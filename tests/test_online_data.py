@@ -290,3 +290,29 @@ def test_human_text_cli_names_the_sources_it_has_and_needs_no_shard_folder(capsy
     with pytest.raises(SystemExit):
         main(["--prompts", "sharegpt", "--answers-only"])          # generating answers still needs --out
     assert "--out: give the folder for the shards" in capsys.readouterr().err
+
+
+@torch.no_grad()
+def test_layer_states_beyond_fp16s_range_are_kept_finite_online_and_in_shards(tiny_model):
+    """The states entering a layer are the unnormalized residual stream: Gemma 3 270M's reach
+    1e5 past its ninth layer, beyond fp16's 65,504, and a row stored as inf made the whole
+    training loss NaN. Both data paths keep them finite and close to the fp32 states."""
+    import copy
+
+    from vllm_mtpspec_train.answers import shard_from_answers
+    from vllm_mtpspec_train.online import record_rows, recording_layer_inputs
+
+    model = copy.deepcopy(tiny_model)
+    model.get_input_embeddings().weight.mul_(1e6)                      # a residual stream far past 65,504
+    pairs = [([1, 2, 3, 4, 5], [6, 7, 8])]
+    with recording_layer_inputs(model.get_decoder(), [1], whole_batch=True) as entering:
+        model.get_decoder()(input_ids=torch.tensor([pairs[0][0] + pairs[0][1]]))
+    exact = entering[1][0, 1:7].float()                                # rows 1 .. 6: context 3, answer 3
+    assert exact.abs().max() > 65504
+    store = record_rows(model, pairs, context_rows=3, feature_layers=[1], top_k=2, batch_tokens=40,
+                        device=torch.device("cpu"))
+    torch.testing.assert_close(store.layer_features[:, 0].float(), exact, rtol=1e-2, atol=0.0)
+    shard = shard_from_answers(SimpleNamespace(model=model), ["a"], ["general"], [pairs[0][0]], [pairs[0][1]],
+                               top_k=2, context_rows=3, feature_layers=[1])
+    stored = [v for k, v in shard.items() if "layer" in k and torch.is_tensor(v) and v.is_floating_point()]
+    assert stored and all(torch.isfinite(v.float()).all() for v in stored)

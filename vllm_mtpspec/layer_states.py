@@ -15,6 +15,16 @@ if TYPE_CHECKING:  # torch is imported where used: the command line reads this m
     import torch
 
 
+def stored_layer_states(states: "torch.Tensor") -> "torch.Tensor":
+    """States entering layers as training data keeps them: in bf16, not fp16. They are the
+    unnormalized residual stream, whose values fp16 cannot hold in every model (Gemma 3
+    270M's reach 1e5 past its ninth layer; fp16 stops at 65,504), and a drafter reads them
+    through an RMSNorm, which bf16's coarser rounding leaves intact to a part in 256."""
+    import torch
+
+    return states.to(torch.bfloat16)
+
+
 @contextmanager
 def recording_layer_inputs(decoder, layers: list[int], *, whole_batch: bool = False):
     """Yields a dict that the forward passes run inside fill: layer -> [T, d], the state

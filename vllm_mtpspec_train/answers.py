@@ -15,7 +15,7 @@ import torch
 from tqdm import tqdm
 
 from vllm_mtpspec.answers import AnswersError, list_answer_files, read_answers
-from vllm_mtpspec.layer_states import recording_layer_inputs
+from vllm_mtpspec.layer_states import recording_layer_inputs, stored_layer_states
 from vllm_mtpspec.shards import shard_path, write_shard
 
 logger = logging.getLogger(__name__)
@@ -46,7 +46,7 @@ def teacher_forced(target, prompt_ids: list[int], answer_ids: list[int], top_k: 
     layers = None
     if feature_layers:
         stacked = torch.stack([entering[layer] for layer in feature_layers], 1)    # [P + L, n, d]
-        layers = (stacked[rows].half(), stacked[context_rows_slice].half())
+        layers = (stored_layer_states(stacked[rows]), stored_layer_states(stacked[context_rows_slice]))
     return hidden.half(), top_ids.int(), top_lp.half(), context.half(), layers
 
 

@@ -21,7 +21,7 @@ import torch
 from tqdm import tqdm
 
 from vllm_mtpspec.answers import list_answer_files, read_answers
-from vllm_mtpspec.layer_states import recording_layer_inputs
+from vllm_mtpspec.layer_states import recording_layer_inputs, stored_layer_states
 from vllm_mtpspec_train.losses import mtp_losses
 
 
@@ -47,7 +47,7 @@ class RowStore:
     its label is what the drafter learns to predict there: the same token in the target's own
     answers, the target's top-1 in human-written text."""
     features: torch.Tensor              # [R, d] fp16, the target's final (normed) state
-    layer_features: torch.Tensor | None  # [R, n, d] fp16, the states entering feature_layers
+    layer_features: torch.Tensor | None  # [R, n, d] bf16, the states entering feature_layers
     tokens: torch.Tensor                # [R] long
     labels: torch.Tensor                # [R] long
     positions: torch.Tensor             # [R] long, the row's place in prompt + answer
@@ -115,7 +115,7 @@ def record_rows(model, pairs, *, context_rows: int, feature_layers: list[int], t
     total = start[-1]
     store = RowStore(
         features=torch.empty(total, d, dtype=torch.float16, device=device),
-        layer_features=(torch.empty(total, len(feature_layers), d, dtype=torch.float16, device=device)
+        layer_features=(torch.empty(total, len(feature_layers), d, dtype=torch.bfloat16, device=device)
                         if feature_layers else None),
         tokens=torch.empty(total, dtype=torch.long, device=device),
         labels=torch.empty(total, dtype=torch.long, device=device),
@@ -143,7 +143,8 @@ def record_rows(model, pairs, *, context_rows: int, feature_layers: list[int], t
             out = slice(start[i], start[i] + kept[i])
             store.features[out] = states[b, rows].half()
             if feature_layers:
-                store.layer_features[out] = torch.stack([entering[layer][b, rows] for layer in feature_layers], 1).half()
+                store.layer_features[out] = stored_layer_states(
+                    torch.stack([entering[layer][b, rows] for layer in feature_layers], 1))
             store.tokens[out] = ids[b, rows.start + 1:rows.stop + 1]
             store.positions[out] = torch.arange(rows.start, rows.stop, device=device)
             answer_rows = slice(start[i] + context[i], start[i] + kept[i])
