@@ -118,3 +118,21 @@ def test_prompt_ids_give_gemma_its_bos_and_keep_it_when_a_prompt_is_cut():
     assert prompt_ids(tok, "a bb ccc dddd", max_prompt_tokens=3) == [2, 13, 14]
     # Earlier turns go first: a base model reads them one after another.
     assert prompt_ids(tok, "ccc", (("user", "a"), ("assistant", "bb")), max_prompt_tokens=2) == [2, 13]
+
+
+@torch.no_grad()
+def test_a_fresh_block_passes_a_gemma3_final_state_through_exactly(gemma3_dir):
+    """Gemma 3 270M's final norm gains run from 0.19 to 301: a fresh block that only put h's
+    RMS back at its output turned the LM head's ranking over (a cross-entropy of 92 on its
+    own greedy answers). Dividing the gain out at the feature norm and putting it back at the
+    output norm passes h through as it is."""
+    from transformers import AutoModelForCausalLM
+
+    from vllm_mtpspec.heads_init import init_draft_block
+
+    model = AutoModelForCausalLM.from_pretrained(gemma3_dir, dtype=torch.float32).eval()
+    block = init_draft_block(model, gemma3_dir, num_heads=2).eval()
+    ids = torch.tensor([[2, 14, 15, 92, 65, 35]])
+    h = model.model(input_ids=ids).last_hidden_state[0]
+    out = block.extend(block.empty_cache(), h, model.get_input_embeddings()(ids[0]))
+    torch.testing.assert_close(out, h, rtol=1e-4, atol=1e-4)

@@ -87,8 +87,8 @@ def init_draft_block(model, model_dir: str | Path, *, num_heads: int, window: in
                      feature_layers: list[int] | tuple[int, ...] = (), mlp_size: int = 0):
     """A fresh attention draft block shaped like one of the model's decoder layers that
     starts by passing the feature through: its fusion reads the feature alone, attention
-    and MLP add nothing yet (their output matrices are zero) and the output norm puts the
-    result back on h's scale, so an untrained block drafts what the LM head says on h,
+    and MLP add nothing yet (their output matrices are zero) and its norms take the final
+    norm's gain out and put it back, so an untrained block drafts what the LM head says on h,
     as untrained parallel heads do, rather than noise. feature_layers: target layers
     whose input states it reads too (their fusion starts at zero). mlp_size: its MLP's
     width (0: the layer's); a narrower one keeps a large model's drafter small."""
@@ -104,15 +104,21 @@ def init_draft_block(model, model_dir: str | Path, *, num_heads: int, window: in
         block = DraftBlock(config)
     d = cfg.hidden_size
     norm = getattr(getattr(model, "model", model), "norm", None)
-    # h = n * gain for a unit-RMS n: the block's RMS-normed output times RMS(gain) is h's scale.
     gain = profile_of_hf_config(cfg).norm_gain(norm.weight.detach().float()) if norm is not None else None
-    scale = float(gain.pow(2).mean().sqrt()) if gain is not None else 1.0
     with torch.no_grad():
         block.fuse.weight.zero_()
         block.fuse.weight[:, :d].copy_(torch.eye(d))
         block.o_proj.weight.zero_()
         block.down_proj.weight.zero_()
-        block.output_norm.weight.fill_(scale)
+        if gain is not None and bool((gain.abs() > 1e-3).all()):
+            # h = n * gain for a unit-RMS n. Divided out at the feature norm (leaving n, at about
+            # unit RMS for the layer's residual stream) and put back at the output norm, the
+            # gain passes h through exactly, however unequal it is (Gemma 3 270M's final gains
+            # run from 0.19 to 301).
+            block.feature_norm.weight.copy_(gain.pow(2).mean().sqrt() / gain)
+            block.output_norm.weight.copy_(gain)
+        elif gain is not None:  # a gain near zero cannot be divided out: h's scale at least
+            block.output_norm.weight.fill_(float(gain.pow(2).mean().sqrt()))
     return block
 
 
