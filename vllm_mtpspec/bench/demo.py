@@ -17,6 +17,7 @@ def run_demo(*, model_name: str, heads_dir: str, tree: str | None, num_heads: in
     from vllm_mtpspec.bench.report import summarize
     from vllm_mtpspec.bench.runner import engine_settings, kv_bytes_per_token, run_benchmark
     from vllm_mtpspec.checkpoint import read_heads_config
+    from vllm_mtpspec.model_profile import model_profile
     from vllm_mtpspec.models import fetch_model
     from vllm_mtpspec.prompts import load_prompts_jsonl
 
@@ -34,6 +35,11 @@ def run_demo(*, model_name: str, heads_dir: str, tree: str | None, num_heads: in
         Method("mtpspec default: chain + prompt lookup", "mtpspec-chain",
                {**mtpspec, "tree": "chain", "prompt_lookup_max": PROMPT_LOOKUP_MAX}),
     ]
+    windows = sorted({w for w in model_profile(model).layer_windows if w})
+    if windows:  # the engine would refuse a tree at start-up (hooks.tree_attention_blocker)
+        methods = [m for m in methods if m.family != "mtpspec-tree"]
+        print(f"no tree row: trees are not verified on sliding-window layers (this model's window: {windows[0]} "
+              "tokens), so its drafts are chains")
     print(f"model: {model}\nheads: {heads_dir}\nstarting {len(methods)} vLLM engines (CPU, fp32) ...")
     engine = engine_settings(1, 512, max_new_tokens, bytes_per_token=kv_bytes_per_token(model, "fp32"))
     with tempfile.TemporaryDirectory() as logs:
