@@ -521,3 +521,19 @@ def test_stop_at_eos_lets_requests_end_where_their_answers_do(tmp_path, monkeypa
     assert asked["ignore_eos"] is ignore_eos
     assert json.loads((tmp_path / "bench.json").read_text())["stop_at_eos"] is not ignore_eos
     assert lengths in (tmp_path / "bench.md").read_text()
+
+
+def test_a_bench_without_mtpspec_rows_needs_no_drafter_for_its_model(tmp_path, monkeypatch, tiny_smol_teacher):
+    """ngram alone on a model no drafter ships for runs; an mtpspec row there asks for --heads."""
+    from vllm_mtpspec.bench import runner
+    from vllm_mtpspec.bench.runner import Tally
+    from vllm_mtpspec.cli import main
+
+    monkeypatch.setattr(runner, "run_benchmark", lambda methods, prompts, **kwargs:
+                        {(m.name, 1, 0.0): Tally() for m in methods})
+    common = ["bench", "--model", str(tiny_smol_teacher), "--prompts", "humaneval", "--num-prompts", "1",
+              "--batch-sizes", "1", "--temperatures", "0", "--max-new-tokens", "8", "--work-dir", str(tmp_path)]
+    main([*common, "--methods", "none,ngram", "--json", str(tmp_path / "bench.json")])
+    assert json.loads((tmp_path / "bench.json").read_text())["heads"] == []
+    with pytest.raises(SystemExit, match="no drafter ships for .*; pass --heads DIR"):
+        main([*common, "--methods", "none,mtpspec-chain"])

@@ -145,7 +145,9 @@ def run(args) -> int:
     from vllm_mtpspec.models import cache_root, resolve_model
 
     model = str(resolve_model(args.model, dtype=args.dtype))
-    heads_dirs = [h for h in (args.heads or str(shipped_heads_for(args.model, "mtpspec bench"))).split(",") if h]
+    drafts_with_heads = any(m.strip().startswith("mtpspec") for m in args.methods.split(","))
+    shipped = str(shipped_heads_for(args.model, "mtpspec bench")) if drafts_with_heads and not args.heads else ""
+    heads_dirs = [h for h in (args.heads or shipped).split(",") if h]
     work_dir = Path(args.work_dir) if args.work_dir else cache_root() / "bench"
     prompts = load_bench_prompts(args.prompts, args.num_prompts)
     prompts = _cut_prompts(prompts, model, args.max_prompt_tokens)
