@@ -390,6 +390,51 @@ def test_served_drafts_follow_the_same_chain_as_the_reference_drafter():
 
 
 @torch.no_grad()
+def test_while_the_heads_rest_a_request_keeps_its_latest_rows_unrun_and_drafts_from_them():
+    """A step where the heads do not run: a request past max_pending_rows runs nothing
+    through the block and keeps its last recent_rows rows; the next draft reads the block
+    over those rows alone (as a request whose context began there), and a leaver stores
+    only entries already run."""
+    import numpy as np
+
+    from vllm_mtpspec.drafter import BlockDrafter
+    from vllm_mtpspec.vllm.block_context import BlockContexts, ScheduledRows
+    from vllm_mtpspec.vllm.context_store import ContextStore
+
+    block, features, embed, tokens, lm_head, model = served_setting()
+    contexts = BlockContexts(block, model.get_input_embeddings(), store=ContextStore(max_bytes=1 << 20))
+    contexts.max_pending_rows, contexts.recent_rows = 8, 3
+    runs = []
+    extend_many = block.extend_many
+    block.extend_many = lambda *args: runs.append(sum(s.shape[0] for s in args[1])) or extend_many(*args)
+    token_ids = np.zeros((1, 20), dtype=np.int64)
+    token_ids[0, :14] = tokens[:14].numpy()
+    rows = ScheduledRows(hidden_states=features[:13], num_scheduled=[13], num_computed=[0])
+    contexts.update(["a"], rows, [14], token_ids, long_rest=True)
+    assert runs == []
+    assert contexts.caches["a"].length == 10 and contexts.pending["a"].rows == 3
+    probs = contexts.chain_probs([0], ["a"], 3, lambda x: x @ lm_head.T, torch.ones(3), None)
+    assert runs[0] == 3  # the kept rows, then the chain's own steps
+    drafter = BlockDrafter(block, model)
+    drafter.start()
+    drafter.observe(features[10:12], tokens[11:13])
+    expected = drafter.head_logits(features[12:13], tokens[13:14])[0]
+    torch.testing.assert_close(probs[0], torch.softmax(expected, -1))
+    ran = len(runs)
+    stored = []
+    contexts.store.put = lambda tokens, cache: stored.append((len(tokens), cache.start, cache.size))
+    # One more row, then the request leaves while the heads rest: the store gets the three
+    # entries run, and the new row is not run for it.
+    token_ids[0, 14] = 5
+    contexts.update(["a"], ScheduledRows(hidden_states=features[13:14], num_scheduled=[1], num_computed=[13]),
+                    [15], token_ids, long_rest=True)
+    contexts.update([], ScheduledRows(hidden_states=features[:0], num_scheduled=[], num_computed=[]), [], token_ids,
+                    long_rest=True)
+    assert len(runs) == ran and not contexts.held_requests()
+    assert stored == [(14, 10, 3)]  # tokens 0..13 key entries 10..12
+
+
+@torch.no_grad()
 def test_after_a_tree_step_the_served_cache_takes_the_rows_of_the_accepted_path():
     """A tree step's rows are the root and every node breadth-first; the accepted path's
     are the root's and its nodes' (tree_paths), not the first rows after the root."""

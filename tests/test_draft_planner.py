@@ -437,3 +437,18 @@ def test_a_gate_that_keeps_not_paying_checks_ever_less_often_and_comes_back_at_o
     assert checks == [3, 7, 15, 31, 47], checks  # 4 apart, then 8, then 16 at most
     gate.record(100.0, 1.0)  # a check that paid: every step again, and checks 4 apart once it rests
     assert gate.wants(10.0) and gate.interval == 4
+
+
+def test_a_gate_rests_long_only_after_checks_in_a_row_found_it_not_paying():
+    gate = PayGate(explore_every=4, warmup_runs=1, decay=0.9, max_checks_apart=8)
+    gate.record(1.0, 1.0)
+    long_rest = []
+    for step in range(40):
+        if gate.wants(10.0):
+            gate.record(1.0, 1.0)
+        long_rest.append(gate.rests_long)
+    # Checks at steps 3 (4 apart), 7 (then 8 apart), 15 (16) and 31 (32): the rest is long
+    # once the next check is 16 steps off (four times explore_every), except at a check.
+    assert [step for step, long in enumerate(long_rest) if long] == [s for s in range(8, 40) if s not in (15, 31)]
+    gate.record(100.0, 1.0)  # a check that paid: no rest at all
+    assert gate.wants(10.0) and not gate.rests_long

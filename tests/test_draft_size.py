@@ -290,3 +290,23 @@ def test_a_rule_deciding_from_one_ranks_clock_is_asked_on_rank_zero_only(make_pr
         assert asked[0] == ["before_drafting", "after_drafting"]
         # The planner's clock is one rank's: rank 1 takes rank 0's answers and asks its own rule nothing.
         assert asked[1] == ([] if draft_size == "planned" else asked[0])
+
+
+def test_the_planned_rule_says_when_the_heads_rest_long_and_never_on_a_step_they_run():
+    planner = DraftPlanner(3)
+    rule = PlannedDraftSize(depth=3, max_tree_budget=8, batch_backoff_start=1, pacing="never", planner=planner)
+    rest = {"proposal": False, "heads": False}
+    planner.heads_rest_long = lambda batch_size, sampled: rest["proposal"] or rest["heads"]
+    planner.wants_proposal = lambda batch_size, sampled: not rest["proposal"]
+    planner.heads_would_run = lambda batch_size, sampled: not rest["heads"]
+    assert rule.before_drafting(view(4)).long_rest is False
+    rest["heads"] = True  # lookup may still draft; the heads rest long
+    assert rule.before_drafting(view(4)) == Allowance(3, 0, None, False, long_rest=True)
+    rest["proposal"] = True
+    assert rule.before_drafting(view(4)) == Allowance(0, 0, long_rest=True)
+    rest["proposal"] = rest["heads"] = False
+    planner.heads_rest_long = lambda batch_size, sampled: True  # a check of a long rest: the heads run
+    assert rule.before_drafting(view(4)) == Allowance(3, 0, None, True, long_rest=False)
+    # Below the back-off start, whole chains and no rest.
+    below = PlannedDraftSize(depth=3, max_tree_budget=8, batch_backoff_start=8, pacing="never", planner=planner)
+    assert below.before_drafting(view(4)).long_rest is False

@@ -159,7 +159,8 @@ class PayGate:
     `explore_every` steps to check again; a check that finds it still not paying puts the
     next one twice as far off, up to `max_checks_apart` times explore_every. Its first
     `warmup_runs` runs are made, unless after `sure_after` of them it adds less than a
-    quarter of what the engine makes in its time.
+    quarter of what the engine makes in its time. Once checks have put the next one
+    `long_rest_checks_apart` times explore_every off or more, it rests long (`rests_long`).
 
     Why the checks thin out: a check runs the work for the whole batch, and where it never
     pays (many requests on a CPU) that is all it costs. At 64 requests on a 2-core CPU one
@@ -167,10 +168,11 @@ class PayGate:
     decode step and added about a twentieth of what the engine made meanwhile."""
 
     def __init__(self, *, explore_every: int, warmup_runs: int, decay: float, max_checks_apart: int = 8,
-                 sure_after: int = 2) -> None:
+                 sure_after: int = 2, long_rest_checks_apart: int = 4) -> None:
         self.explore_every = explore_every
         self.warmup_runs = warmup_runs
         self.max_interval = explore_every * max_checks_apart
+        self.long_interval = explore_every * long_rest_checks_apart
         self.sure_after = sure_after
         self.gain = DecayingMean(decay)      # tokens added per run
         self.seconds = DecayingMean(decay)   # the work's own time per run
@@ -211,6 +213,13 @@ class PayGate:
     def wants(self, tokens_per_second: float | None) -> bool:
         wanted, self.resting, self.checking, self.interval = self._asked(tokens_per_second)
         return wanted
+
+    @property
+    def rests_long(self) -> bool:
+        """Checks in a row (two, by default) found it not paying, and the next is
+        long_interval steps off or more. A short rest is not long: there a check after a few
+        dozen steps may find the work paying again, and must see it as it would run."""
+        return self.resting > 0 and not self.checking and self.interval >= self.long_interval
 
 
 @dataclass(frozen=True)
@@ -383,6 +392,12 @@ class DraftPlanner:
             return True
         return self._gate(self._heads_gates, batch_size, sampled).would_want(
             self.tokens_per_second(batch_size, sampled))
+
+    def heads_rest_long(self, batch_size: int, sampled: bool) -> bool:
+        """Whether the heads rest long for this kind of batch: the proposal's gate or their
+        own rests long (PayGate.rests_long)."""
+        return (self._gate(self._proposal_gates, batch_size, sampled).rests_long
+                or self._gate(self._heads_gates, batch_size, sampled).rests_long)
 
     def wants_proposal(self, batch_size: int, sampled: bool) -> bool:
         """Whether to propose at all this step (look up, run the heads, plan): while the

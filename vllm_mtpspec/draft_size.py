@@ -57,6 +57,9 @@ class Allowance:
     tree_budget: int                          # the most tree nodes per request
     may_draft: tuple[bool, ...] | None = None  # per request (a paced cohort); None: every one may
     heads: bool = True                        # the heads may run for requests without a lookup draft
+    # The heads rest long (draft_planner.PayGate.rests_long): a draft block may let its
+    # context lapse rather than run it (vllm/block_context.py).
+    long_rest: bool = False
 
 
 @dataclass(frozen=True)
@@ -191,11 +194,13 @@ class PlannedDraftSize:
         batch, sampled = view.batch_size, any(view.sampled)
         self.planner.observe_step(view.req_ids, view.emitted, view.verified, view.sampled, timed=view.timed)
         if not self.planner.wants_proposal(batch, sampled):
-            return Allowance(0, 0)
+            return Allowance(0, 0, long_rest=self.planner.heads_rest_long(batch, sampled))
         # Whether the heads are wanted is known only once prompt lookup has drafted (it may
         # draft for every request): the heads' gate is asked here without counting the step,
         # and counts it in after_drafting where they were wanted, as when it was asked then.
-        return Allowance(self.depth, 0, self._may_draft(view), self.planner.heads_would_run(batch, sampled))
+        heads = self.planner.heads_would_run(batch, sampled)
+        return Allowance(self.depth, 0, self._may_draft(view), heads,
+                         long_rest=not heads and self.planner.heads_rest_long(batch, sampled))
 
     def after_drafting(self, drafted: Drafted) -> tuple[int, ...]:
         view, self._planning = self._planning, None

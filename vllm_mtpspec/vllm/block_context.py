@@ -8,7 +8,12 @@ key and value depend on its own position's inputs alone: running rows late gives
 entries running them at once would. A step where the planner drafts nothing for a
 request (most steps of a large batch on a CPU) costs that request a copy of its rows;
 running them is counted as the drafting time of the step that needs them, which the
-planner weighs against what the drafts add.
+planner weighs against what the drafts add. During a long rest (the draft-size rule has
+found, check after check, that the heads do not pay for this kind of batch), held rows
+are not run at all: a request past max_pending_rows keeps its latest recent_rows on a
+cache restarted there, so that a large batch that drafts nothing pays for row copies only.
+Short rests keep the whole context: a check after a few dozen steps must see it to find
+the heads paying again.
 
 Row layout, per request in the input batch's order: its scheduled tokens at positions
 num_computed .. num_computed + n - 1. Row r's state produced the token at position
@@ -66,6 +71,18 @@ class PendingRows:
             self.layer_states.append(layer_states)
         self.rows += states.shape[0]
 
+    def last(self, rows: int) -> "PendingRows":
+        """The last `rows` of them, copied (a view would keep a whole prompt's rows)."""
+        kept, skip = PendingRows(), self.rows - rows
+        for i, states in enumerate(self.states):
+            if skip >= states.shape[0]:
+                skip -= states.shape[0]
+                continue
+            kept.add(states[skip:].clone(), self.tokens[i][skip:],
+                     self.layer_states[i][skip:].clone() if self.layer_states else None)
+            skip = 0
+        return kept
+
     def first(self, rows: int) -> "PendingRows":
         """The first `rows` of them (the rest are positions vLLM computes again)."""
         kept = PendingRows()
@@ -84,6 +101,11 @@ class BlockContexts:
     # so that what is held stays small: 64 rows of a block reading three layers are 0.6 MB
     # per request in fp32.
     max_pending_rows = 64
+    # During a long rest, a request that reaches max_pending_rows keeps only its latest rows
+    # instead of running them all: resting costs row copies only, and a check during the
+    # rest reads the block over this recent context (its drafts may keep less; the output
+    # is the target's either way).
+    recent_rows = 32
 
     def __init__(self, block: DraftBlock, embed, store: ContextStore | None = None) -> None:
         self.block = block
@@ -95,6 +117,9 @@ class BlockContexts:
         # A request's tokens at positions 0 .. (its cache's end + its pending rows): what the
         # store keys its entries by when it leaves.
         self.tokens: dict[str, list[int]] = {}
+        # Whether this step is in a long rest (update's long_rest): a request that leaves
+        # then has its held rows dropped, not run for the store.
+        self.long_rest = False
 
     def forget(self, req_id: str) -> None:
         self.caches.pop(req_id, None)
@@ -105,10 +130,14 @@ class BlockContexts:
     @torch.inference_mode()  # as vLLM's step runs: the caches are inference tensors
     def leave(self, req_id: str) -> None:
         """The request left the batch (finished, aborted or preempted): its entries go to
-        the store, its rows still held back run first, and nothing else of it is kept."""
-        if self.store is not None and req_id in self.caches:
-            self._run_pending([req_id])
-            self.store.put(self.tokens[req_id], self.caches[req_id])
+        the store, its rows still held back run first (in a long rest, the entries already
+        run go alone), and nothing else of it is kept."""
+        cache = self.caches.get(req_id)
+        if self.store is not None and cache is not None:
+            if not self.long_rest:
+                self._run_pending([req_id])
+            if cache.size:
+                self.store.put(self.tokens[req_id][:cache.length + 1], cache)
         self.forget(req_id)
 
     def held_requests(self) -> set[str]:
@@ -116,12 +145,13 @@ class BlockContexts:
 
     @torch.no_grad()
     def update(self, req_ids: list[str], rows: ScheduledRows, num_tokens_no_spec, token_ids_cpu,
-               tree_paths: dict[int, list[int]] | None = None) -> None:
+               tree_paths: dict[int, list[int]] | None = None, *, long_rest: bool = False) -> None:
         """Takes this step's accepted rows of each request, copied (vLLM reuses its
-        buffers); those of a request holding max_pending_rows or more go through the block.
-        tree_paths: by batch index, for requests verified as trees this step, the rows
-        (within the request's) of the root and of each accepted node in path order: their
-        states are the accepted positions', computed at those positions (tree_step.py)."""
+        buffers); those of a request holding max_pending_rows or more go through the block,
+        or, in a long rest (long_rest), are cut to the latest recent_rows. tree_paths: by batch index, for requests verified as trees this step,
+        the rows (within the request's) of the root and of each accepted node in path order:
+        their states are the accepted positions', computed at those positions (tree_step.py)."""
+        self.long_rest = long_rest
         live = set(req_ids)
         for req_id in [r for r in self.held_requests() if r not in live]:
             self.leave(req_id)
@@ -147,7 +177,21 @@ class BlockContexts:
                 if pending.rows >= self.max_pending_rows:
                     due.append(req_id)
             offset += n
-        self._run_pending(due)
+        if self.long_rest:
+            for req_id in due:
+                self._keep_recent(req_id)
+        else:
+            self._run_pending(due)
+
+    def _keep_recent(self, req_id: str) -> None:
+        """The request's latest recent_rows rows stay pending, on a cache that starts at
+        their position; its other rows and entries are dropped unrun."""
+        pending = self.pending[req_id]
+        kept = pending.last(self.recent_rows)
+        fresh = self.block.empty_cache()
+        fresh.start = self.caches[req_id].length + pending.rows - kept.rows
+        self.caches[req_id], self.pending[req_id] = fresh, kept
+        self.newest.pop(req_id, None)
 
     @staticmethod
     def _accepted_rows(offset: int, known: int, path: list[int] | None, device):

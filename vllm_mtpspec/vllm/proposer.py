@@ -296,7 +296,7 @@ class MTPSpecProposer:
         self._sample_hidden_states = None
         drafts: list[list[int]] = [[] for _ in sampled_token_ids]
         req_ids = self._req_ids
-        self._feed_block(req_ids, num_tokens_no_spec, token_ids_cpu)
+        self._feed_block(req_ids, num_tokens_no_spec, token_ids_cpu, long_rest=allowance.long_rest)
         live = None if req_ids is None else set(req_ids)
         if live is not None:
             self.proposed_trees = {r: t for r, t in self.proposed_trees.items() if r in live}
@@ -385,15 +385,17 @@ class MTPSpecProposer:
             return shape, tokens
         return shape.limit_depth(room), [token for path, token in zip(shape.paths, tokens) if len(path) <= room]
 
-    def _feed_block(self, req_ids, num_tokens_no_spec, token_ids_cpu) -> None:
-        """Every step, drafted or not: the draft block takes the accepted rows (block_context.py)."""
+    def _feed_block(self, req_ids, num_tokens_no_spec, token_ids_cpu, *, long_rest: bool) -> None:
+        """Every step, drafted or not: the draft block takes the accepted rows (block_context.py);
+        in a long rest it keeps only each request's latest ones."""
         scheduled, self._scheduled = self._scheduled, None
         if self.block_contexts is None:
             return
         if scheduled is None or req_ids is None or num_tokens_no_spec is None or token_ids_cpu is None:
             raise RuntimeError("an attention draft block needs every step's hidden states and token ids from the "
                                "runner hook (hooks.py), and this step had none")
-        self.block_contexts.update(req_ids, scheduled, num_tokens_no_spec, token_ids_cpu, self._tree_paths)
+        self.block_contexts.update(req_ids, scheduled, num_tokens_no_spec, token_ids_cpu, self._tree_paths,
+                                   long_rest=long_rest)
 
     def _batch_ids(self, num_requests: int) -> list[str]:
         return list(self._req_ids) if self._req_ids is not None else [str(i) for i in range(num_requests)]
