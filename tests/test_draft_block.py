@@ -596,7 +596,8 @@ def test_a_served_cache_that_ends_elsewhere_than_the_step_begins_is_cut_back_or_
 def test_rows_wait_for_a_draft_and_run_together_once_a_request_holds_enough():
     """Steps nobody drafts for run nothing through the block; a request's rows run once it
     holds max_pending_rows of them, or when it is drafted for, into the same entries. What
-    it holds is its own copy: vLLM reuses its buffers."""
+    it holds is a copy, not vLLM's buffer (vLLM reuses it): of the step's rows in a decode
+    step, of its own where a request took a prompt's chunk."""
     import numpy as np
 
     from vllm_mtpspec.vllm.block_context import BlockContexts, ScheduledRows
@@ -605,6 +606,7 @@ def test_rows_wait_for_a_draft_and_run_together_once_a_request_holds_enough():
     features, embed, tokens = random_sequence(12)
     contexts = BlockContexts(block, torch.nn.Embedding.from_pretrained(embed))
     contexts.max_pending_rows = 5
+    contexts.max_shared_rows = 2  # the first step, with 3 rows of "a", counts as a prompt's chunk
     token_ids = np.zeros((2, 20), dtype=np.int64)
     token_ids[0, :16] = tokens.numpy()
     token_ids[1, :16] = tokens.flip(0).numpy()
@@ -625,8 +627,12 @@ def test_rows_wait_for_a_draft_and_run_together_once_a_request_holds_enough():
     step([4, 3], [2, 1])                                          # "a" holds 6 rows: they run; "b" 4 wait
     assert passes == [1] and contexts.caches["a"].length == 6 and "a" not in contexts.pending
     assert contexts.pending["b"].rows == 4 and contexts.caches["b"].size == 0
-    held = contexts.pending["b"].states[-1]  # its own copy, not a view of the step's whole buffer
-    assert held.untyped_storage().nbytes() == held.numel() * held.element_size()
+    def rows_in_storage(held: torch.Tensor) -> int:
+        return held.untyped_storage().nbytes() // (held.shape[1] * held.element_size())
+
+    first, last = contexts.pending["b"].states[0], contexts.pending["b"].states[-1]
+    assert (first.shape[0], rows_in_storage(first)) == (2, 2)  # its own copy: "a" prefilled beside it
+    assert (last.shape[0], rows_in_storage(last)) == (1, 3)    # a view of the step's 3 accepted rows
     probs = contexts.chain_probs([1], ["a", "b"], 2, lambda x: x @ lm_head.T, torch.ones(2), None)
     assert passes == [1, 1] and contexts.caches["b"].length == 4 and "b" not in contexts.pending
     alone = block.empty_cache(dtype=torch.float64)

@@ -39,6 +39,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from vllm_mtpspec.draft_block import BlockCache, DraftBlock
@@ -72,15 +73,19 @@ class PendingRows:
         self.rows += states.shape[0]
 
     def last(self, rows: int) -> "PendingRows":
-        """The last `rows` of them, copied (a view would keep a whole prompt's rows)."""
-        kept, skip = PendingRows(), self.rows - rows
-        for i, states in enumerate(self.states):
-            if skip >= states.shape[0]:
-                skip -= states.shape[0]
+        """The last `rows` of them, in one copy (views would keep whole steps' rows)."""
+        states, tokens, layer_states, skip = [], [], [], self.rows - rows
+        for i, own in enumerate(self.states):
+            if skip >= own.shape[0]:
+                skip -= own.shape[0]
                 continue
-            kept.add(states[skip:].clone(), self.tokens[i][skip:],
-                     self.layer_states[i][skip:].clone() if self.layer_states else None)
+            states.append(own[skip:])
+            tokens.append(self.tokens[i][skip:])
+            if self.layer_states:
+                layer_states.append(self.layer_states[i][skip:])
             skip = 0
+        kept = PendingRows()
+        kept.add(torch.cat(states), torch.cat(tokens), torch.cat(layer_states) if layer_states else None)
         return kept
 
     def first(self, rows: int) -> "PendingRows":
@@ -101,6 +106,11 @@ class BlockContexts:
     # so that what is held stays small: 64 rows of a block reading three layers are 0.6 MB
     # per request in fp32.
     max_pending_rows = 64
+    # A step in which no request took more rows than this (a decode step) is copied once and
+    # each request holds a view of that copy; in one where a request took more (a prompt's
+    # chunk), each holds a copy of its own, so that a short request's rows do not keep a
+    # long prompt's alive.
+    max_shared_rows = 16
     # During a long rest, a request that reaches max_pending_rows keeps only its latest rows
     # instead of running them all: resting costs row copies only, and a check during the
     # rest reads the block over this recent context (its drafts may keep less; the output
@@ -148,9 +158,10 @@ class BlockContexts:
                tree_paths: dict[int, list[int]] | None = None, *, long_rest: bool = False) -> None:
         """Takes this step's accepted rows of each request, copied (vLLM reuses its
         buffers); those of a request holding max_pending_rows or more go through the block,
-        or, in a long rest (long_rest), are cut to the latest recent_rows. tree_paths: by batch index, for requests verified as trees this step,
-        the rows (within the request's) of the root and of each accepted node in path order:
-        their states are the accepted positions', computed at those positions (tree_step.py)."""
+        or, in a long rest (long_rest), are cut to the latest recent_rows. tree_paths: by
+        batch index, for requests verified as trees this step, the rows (within the
+        request's) of the root and of each accepted node in path order: their states are
+        the accepted positions', computed at those positions (tree_step.py)."""
         self.long_rest = long_rest
         live = set(req_ids)
         for req_id in [r for r in self.held_requests() if r not in live]:
@@ -160,23 +171,18 @@ class BlockContexts:
             raise RuntimeError(f"the draft block reads the states entering target layers "
                                f"{self.block.feature_layers}, and vLLM handed "
                                f"{len(rows.layer_states or [])} aux_hidden_states this step")
-        due, offset = [], 0
+        offset, taken, takers = 0, [], []
         for i, req_id in enumerate(req_ids):
             n, start = int(rows.num_scheduled[i]), int(rows.num_computed[i])
             self._cache_ending_at(req_id, start, token_ids_cpu[i])
             known = min(n, int(num_tokens_no_spec[i]) - 1 - start)
             if known > 0:
-                self.tokens[req_id] += token_ids_cpu[i, start + 1:start + 1 + known].tolist()
-                # Copies of the request's own rows: a view would keep the step's whole buffer.
-                taken = self._accepted_rows(offset, known, (tree_paths or {}).get(i), rows.hidden_states.device)
-                pending = self.pending.setdefault(req_id, PendingRows())
-                states = rows.hidden_states[taken]  # a slice is a view; a gather, a copy already
-                pending.add(states.clone() if isinstance(taken, slice) else states,
-                            torch.tensor(token_ids_cpu[i, start + 1:start + 1 + known], dtype=torch.long),
-                            torch.stack([state[taken] for state in rows.layer_states], 1) if reads_layers else None)
-                if pending.rows >= self.max_pending_rows:
-                    due.append(req_id)
+                produced = token_ids_cpu[i, start + 1:start + 1 + known]
+                self.tokens[req_id] += produced.tolist()
+                taken += self._accepted_rows(offset, known, (tree_paths or {}).get(i))
+                takers.append((req_id, produced))
             offset += n
+        due = self._take(takers, taken, rows.hidden_states, rows.layer_states if reads_layers else None)
         if self.long_rest:
             for req_id in due:
                 self._keep_recent(req_id)
@@ -193,15 +199,48 @@ class BlockContexts:
         self.caches[req_id], self.pending[req_id] = fresh, kept
         self.newest.pop(req_id, None)
 
+    def _take(self, takers: list, taken: list[int], hidden_states: torch.Tensor,
+              layer_states: list[torch.Tensor] | None) -> list[str]:
+        """The step's accepted rows, copied in one gather (vLLM reuses its buffers), then
+        held by each request (takers: its id and produced tokens, in the rows' order) as
+        views of that copy; the requests that now hold max_pending_rows or more.
+
+        One gather a step, not a few small copies per request: at 64 requests on a CPU
+        those copies took several milliseconds a step, for every step the heads rest. A
+        step with a request's prompt chunk in it is copied again per request
+        (max_shared_rows)."""
+        if not takers:
+            return []
+        index = torch.tensor(taken)
+        if hidden_states.is_cuda:  # a pinned copy goes with the stream: no wait for the device
+            index = index.pin_memory()
+        index = index.to(hidden_states.device, non_blocking=True)
+        counts = [len(produced) for _, produced in takers]
+        states = hidden_states.index_select(0, index).split(counts)
+        tokens = torch.as_tensor(np.concatenate([produced for _, produced in takers]), dtype=torch.long).split(counts)
+        layers = (torch.stack([state.index_select(0, index) for state in layer_states], 1).split(counts)
+                  if layer_states is not None else [None] * len(takers))
+        shared = max(counts) <= self.max_shared_rows
+        due = []
+        for (req_id, _), own_states, own_tokens, own_layers in zip(takers, states, tokens, layers):
+            if not shared:
+                own_states = own_states.clone()
+                own_layers = None if own_layers is None else own_layers.clone()
+            pending = self.pending.setdefault(req_id, PendingRows())
+            pending.add(own_states, own_tokens, own_layers)
+            if pending.rows >= self.max_pending_rows:
+                due.append(req_id)
+        return due
+
     @staticmethod
-    def _accepted_rows(offset: int, known: int, path: list[int] | None, device):
+    def _accepted_rows(offset: int, known: int, path: list[int] | None) -> range | list[int]:
         """Where a request's `known` accepted rows are among the step's: its first ones, or
-        on a tree its path's (an index on the states' device: the gather copies)."""
+        on a tree its path's."""
         if path is None or path[:known] == list(range(known)):
-            return slice(offset, offset + known)
+            return range(offset, offset + known)
         if len(path) < known:
             raise RuntimeError(f"a tree request emitted {known} tokens and its verified path holds {len(path)} rows")
-        return torch.tensor([offset + row for row in path[:known]], device=device)
+        return [offset + row for row in path[:known]]
 
     def _run_pending(self, req_ids: list[str]) -> None:
         """Runs the requests' pending rows through the block (all in one pass): into their
