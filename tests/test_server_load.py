@@ -1,6 +1,6 @@
 """`mtpspec serve` under load, side by side with vLLM alone on the same model.
 
-The same 256 requests go to both servers, up to 64 in flight: chat and completions, greedy
+The same 160 requests go to both servers, up to 64 in flight: chat and completions, greedy
 and sampled, streamed and not, prompts from a few tokens to the edge of max_model_len,
 max_tokens from 1 to 256, stop strings, n = 2, and requests that take the fallback path
 (penalties, logprobs, structured output), and logit bias, which vLLM refuses with any
@@ -24,7 +24,7 @@ from vllm_mtpspec.bench.servers import running_server
 pytestmark = pytest.mark.slow
 
 MAX_MODEL_LEN = 768
-NUM_REQUESTS = 256
+NUM_REQUESTS = 160
 IN_FLIGHT = 64
 SPEC_TOKENS = 3
 SERVER_ARGS = ["--dtype", "float32", "--max-model-len", str(MAX_MODEL_LEN), "--kv-cache-memory-bytes", "320M",
@@ -247,7 +247,7 @@ def test_greedy_answers_are_the_plain_servers_token_for_token(servers, answered)
             assert gap < TIE_LOGPROB_GAP, (f"request {i} differs at token {first} where the model's choice is "
                                            f"clear (logprob gap {gap:.2e})", request["body"])
             ties.append((i, first, gap))
-    assert greedy >= 100
+    assert greedy >= 60  # about half of the mix is greedy and not refused
     assert len(ties) <= MAX_TIES, ties
 
 
