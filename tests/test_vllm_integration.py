@@ -552,9 +552,11 @@ def test_a_draft_blocks_caches_hold_every_accepted_position_and_nothing_else(mod
             with torch.inference_mode():  # as the proposer runs them: its caches are inference tensors
                 self._run_pending([req_id])
         forget(self, req_id)
-    def recording_update(self, req_ids, rows, num_tokens_no_spec, token_ids_cpu, tree_paths=None):
+    def recording_update(self, req_ids, rows, num_tokens_no_spec, token_ids_cpu, tree_paths=None, *, long_rest=False):
         branching_paths.extend(p for p in (tree_paths or {}).values() if p != list(range(len(p))))
-        return update(self, req_ids, rows, num_tokens_no_spec, token_ids_cpu, tree_paths)
+        # A long rest lets a context lapse on purpose: these short runs must never reach one.
+        assert not long_rest
+        return update(self, req_ids, rows, num_tokens_no_spec, token_ids_cpu, tree_paths, long_rest=long_rest)
     monkeypatch.setattr(BlockContexts, "update", recording_update)
     monkeypatch.setattr(BlockContexts, "_cache_ending_at", recording_cache)
     monkeypatch.setattr(BlockContexts, "forget", running_then_forgetting)
