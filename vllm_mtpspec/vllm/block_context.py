@@ -56,6 +56,14 @@ class ScheduledRows:
     layer_states: list[torch.Tensor] | None = None
 
 
+def to_device_without_waiting(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor on `device`. To a GPU through a pinned copy, which goes with the stream:
+    the host does not wait for the device."""
+    if device.type == "cuda":
+        host = host.pin_memory()
+    return host.to(device, non_blocking=True)
+
+
 @dataclass
 class PendingRows:
     """A request's rows taken and not yet run through the block, at the positions right
@@ -211,10 +219,7 @@ class BlockContexts:
         (max_shared_rows)."""
         if not takers:
             return []
-        index = torch.tensor(taken)
-        if hidden_states.is_cuda:  # a pinned copy goes with the stream: no wait for the device
-            index = index.pin_memory()
-        index = index.to(hidden_states.device, non_blocking=True)
+        index = to_device_without_waiting(torch.tensor(taken), hidden_states.device)
         counts = [len(produced) for _, produced in takers]
         states = hidden_states.index_select(0, index).split(counts)
         tokens = torch.as_tensor(np.concatenate([produced for _, produced in takers]), dtype=torch.long).split(counts)
@@ -252,9 +257,7 @@ class BlockContexts:
         caches = [self.caches[r] for r in req_ids]
         states = [torch.cat(p.states) for p in pending]
         produced = torch.cat([t for p in pending for t in p.tokens])
-        if states[0].is_cuda:  # a pinned copy goes with the stream: no wait for the device
-            produced = produced.pin_memory()
-        produced = produced.to(states[0].device, non_blocking=True)
+        produced = to_device_without_waiting(produced, states[0].device)
         embeds = self._embed(produced).split([p.rows for p in pending])
         layer_states = [torch.cat(p.layer_states) for p in pending] if self.block.feature_layers else None
         outputs = self.block.extend_many(caches, states, list(embeds), layer_states)
