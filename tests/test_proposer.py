@@ -423,3 +423,22 @@ def test_a_context_store_asked_of_heads_that_keep_no_context_is_refused_at_start
     with pytest.raises(ConfigError, match="context_store_mb=8 keeps a draft block's entries.*leave context_store_mb out"):
         make_proposer(context_store_mb=8)
     assert make_proposer()[0].block_contexts is None
+
+
+def test_the_draft_size_rules_long_rest_reaches_the_draft_blocks_context(make_proposer):
+    """A block lets its context lapse only where the rule says the heads rest long: the
+    proposer hands that word on to the block's contexts every step, drafted or not."""
+    import numpy as np
+
+    from vllm_mtpspec.draft_size import Allowance
+
+    p, _, model = make_proposer()
+    told = []
+    p.block_contexts = SimpleNamespace(update=lambda *args, long_rest: told.append(long_rest))
+    token_ids = np.zeros((2, 16), dtype=np.int64)
+    for long_rest in (True, False, True):
+        p.draft_size.before_drafting = lambda view, long_rest=long_rest: Allowance(0, 0, long_rest=long_rest)
+        p.capture_step(torch.randn(2, model.config.hidden_size), None, ["a", "b"], decode_only=True,
+                       scheduled=object())
+        assert p.propose([[6], [14]], num_tokens_no_spec=np.array([9, 5]), token_ids_cpu=token_ids) == [[], []]
+    assert told == [True, False, True]
