@@ -11,7 +11,6 @@ and the spec-decode counters must agree with what was generated. Then clients th
 running and no KV block in use."""
 from __future__ import annotations
 
-import json
 import random
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -19,6 +18,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import requests
 
+from vllm_mtpspec.bench.mixed_load import compare_greedy, refused_with_speculation, request_mix, send_all
 from vllm_mtpspec.bench.servers import running_server
 
 pytestmark = pytest.mark.slow
@@ -29,10 +29,8 @@ IN_FLIGHT = 64
 SPEC_TOKENS = 3
 SERVER_ARGS = ["--dtype", "float32", "--max-model-len", str(MAX_MODEL_LEN), "--kv-cache-memory-bytes", "320M",
                "--max-num-seqs", "16", "--enforce-eager", "--seed", "0"]
-# A tie at the first difference means both answers are the model's: fp32 sums in another
-# order (a batch of another shape) can swap two tokens this close, with or without drafts;
-# any other difference fails.
-TIE_LOGPROB_GAP = 1e-4
+# A tie at the first difference means both answers are the model's (mixed_load.py); any
+# other difference fails.
 MAX_TIES = 2
 
 
@@ -66,133 +64,19 @@ def texts() -> list[str]:
     return [p.text for p in sharegpt_held_out_prompts()]
 
 
-def request_mix(texts: list[str], tokenizer, rng: random.Random) -> list[dict]:
-    """NUM_REQUESTS request descriptions."""
-    long_ids = tokenizer.encode("\n\n".join(texts[:60]), add_special_tokens=False)
-    blank = tokenizer.encode(" the", add_special_tokens=False)[0]
-    mix = []
-    for i in range(NUM_REQUESTS):
-        endpoint = "chat" if i % 2 else "completions"
-        max_tokens = rng.choice([1, 2, 4, 8, 16, 16, 32, 32, 48, 64, 128, 256])
-        body: dict = {"max_tokens": max_tokens, "return_token_ids": True,
-                      "temperature": 0.0 if rng.random() < 0.6 else 0.8}
-        size = rng.choice(["few", "one", "one", "one", "long", "edge"])
-        text = rng.choice(texts)
-        if size == "few":
-            text = " ".join(text.split()[:3])
-        elif size == "long":
-            start = rng.randrange(len(long_ids) - 500)
-            text = tokenizer.decode(long_ids[start:start + 400])
-        if size == "edge" and endpoint == "completions":
-            # Token ids, so the prompt ends right where max_model_len leaves max_tokens.
-            length = MAX_MODEL_LEN - max_tokens - rng.randrange(0, 4)
-            start = rng.randrange(len(long_ids) - length)
-            body["prompt"] = long_ids[start:start + length]
-        elif endpoint == "completions":
-            body["prompt"] = text
-        else:
-            body["messages"] = [{"role": "user", "content": text if size != "edge" else tokenizer.decode(
-                long_ids[:MAX_MODEL_LEN - max_tokens - 64])}]
-        roll = rng.random()
-        if roll < 0.1:
-            body["stop"] = rng.choice([["\n\n"], [".", "!"], ["the"]])
-        elif roll < 0.18 and endpoint == "completions" and body["temperature"]:
-            body["n"] = 2  # vLLM refuses n > 1 for greedy requests
-        elif roll < 0.36:
-            fallback = rng.choice(["penalty", "logprobs", "logit_bias", "structured"])
-            if fallback == "penalty":
-                body["presence_penalty"] = 0.6
-            elif fallback == "logprobs":
-                body.update({"logprobs": 2} if endpoint == "completions" else {"logprobs": True, "top_logprobs": 2})
-            elif fallback == "logit_bias":
-                body["logit_bias"] = {str(blank): -100}
-            elif endpoint == "completions":
-                body["structured_outputs"] = {"choice": ["yes", "no", "it depends"]}
-            else:
-                body["response_format"] = {"type": "json_object"}
-        stream = rng.random() < 0.4 and body.get("n", 1) == 1
-        if stream:
-            body.update({"stream": True, "stream_options": {"include_usage": True}})
-        mix.append({"endpoint": endpoint, "body": body})
-    return mix
-
-
-def send(base: str, model: str, request: dict) -> dict:
-    """One request, read to its end: status, and per choice the token ids and text, usage."""
-    path = "/v1/chat/completions" if request["endpoint"] == "chat" else "/v1/completions"
-    body = {"model": model, **request["body"]}
-    reply = requests.post(base + path, json=body, timeout=600, stream=bool(body.get("stream")))
-    if reply.status_code != 200:
-        return {"status": reply.status_code, "error": reply.text[:500]}
-    if not body.get("stream"):
-        data = reply.json()
-        choices = [{"token_ids": c.get("token_ids") or [], "finish": c["finish_reason"],
-                    "text": c["message"]["content"] if "message" in c else c["text"]}
-                   for c in sorted(data["choices"], key=lambda c: c["index"])]
-        return {"status": 200, "choices": choices, "usage": data["usage"],
-                "prompt_token_ids": data.get("prompt_token_ids") or data["choices"][0].get("prompt_token_ids")}
-    tokens, text, finish, usage, prompt_ids, done = [], [], None, None, None, False
-    for line in reply.iter_lines():
-        if not line.startswith(b"data: "):
-            continue
-        if line == b"data: [DONE]":
-            done = True
-            break
-        chunk = json.loads(line[6:])
-        if "error" in chunk:  # a request refused after its stream began (vLLM's validation)
-            return {"status": chunk["error"].get("code") or 500, "error": json.dumps(chunk)[:500]}
-        if chunk.get("usage"):
-            usage = chunk["usage"]
-        prompt_ids = prompt_ids or chunk.get("prompt_token_ids")
-        for c in chunk.get("choices", []):
-            prompt_ids = prompt_ids or c.get("prompt_token_ids")
-            tokens.extend(c.get("token_ids") or [])
-            text.append((c.get("delta") or {}).get("content") or c.get("text") or "")
-            finish = c.get("finish_reason") or finish
-    return {"status": 200 if done else "stream ended without [DONE]", "usage": usage, "prompt_token_ids": prompt_ids,
-            "choices": [{"token_ids": tokens, "finish": finish, "text": "".join(text)}]}
-
-
-def send_all(base: str, model: str, mix: list[dict]) -> list[dict]:
-    with ThreadPoolExecutor(IN_FLIGHT) as pool:
-        return list(pool.map(lambda r: send(base, model, r), mix))
-
-
-def logprob_gap(base: str, model: str, prompt_ids: list[int], prefix: list[int], ours: int, theirs: int) -> float:
-    """How far apart the plain model puts two next tokens after prefix (inf when either is
-    not among its five likeliest)."""
-    reply = requests.post(f"{base}/v1/completions", timeout=120, json={
-        "model": model, "prompt": prompt_ids + prefix, "max_tokens": 1, "temperature": 0, "logprobs": 5,
-        "return_tokens_as_token_ids": True})
-    top = reply.json()["choices"][0]["logprobs"]["top_logprobs"][0]
-    a, b = top.get(f"token_id:{ours}"), top.get(f"token_id:{theirs}")
-    return float("inf") if a is None or b is None else abs(a - b)
-
-
-# Requests whose next-token distribution depends on more than the text so far (penalties
-# count output tokens only, a grammar its own state, a bias is not in raw logprobs): a
-# difference there cannot be checked for a tie.
-NOT_TIE_CHECKABLE = ("presence_penalty", "logit_bias", "structured_outputs", "response_format")
+def mix_of(texts: list[str], tokenizer, *, seed: int) -> list[dict]:
+    return request_mix(texts, tokenizer, random.Random(seed), num_requests=NUM_REQUESTS, max_model_len=MAX_MODEL_LEN)
 
 
 @pytest.fixture(scope="module")
 def answered(servers, texts, tokenizer):
     model, plain, spec = servers
-    mix = request_mix(texts, tokenizer, random.Random(0))
+    mix = mix_of(texts, tokenizer, seed=0)
     before = {s.label: s.metrics() for s in (plain, spec)}
-    results = {s.label: send_all(s.base_url, model, mix) for s in (plain, spec)}
+    results = {s.label: send_all(s.base_url, model, mix, IN_FLIGHT) for s in (plain, spec)}
     time.sleep(2)
     after = {s.label: s.metrics() for s in (plain, spec)}
     return mix, results, before, after
-
-
-# vLLM refuses these with any speculative method, with a 400 that says so (its own
-# validation, before mtpspec sees the request); vLLM alone serves them.
-REFUSED_WITH_SPECULATION = {"logit_bias": "not yet supported with speculative decoding"}
-
-
-def refused_with_speculation(body: dict) -> str | None:
-    return next((phrase for key, phrase in REFUSED_WITH_SPECULATION.items() if key in body), None)
 
 
 def test_every_request_is_answered_and_counted(servers, answered):
@@ -228,27 +112,11 @@ def test_every_request_is_answered_and_counted(servers, answered):
 def test_greedy_answers_are_the_plain_servers_token_for_token(servers, answered):
     model, plain, _ = servers
     mix, results, _, _ = answered
-    ties, greedy = [], 0
-    for i, request in enumerate(mix):
-        if request["body"]["temperature"] or refused_with_speculation(request["body"]):
-            continue
-        greedy += 1
-        ours, theirs = results["mtpspec"][i], results["plain"][i]
-        assert ours["prompt_token_ids"] == theirs["prompt_token_ids"], i
-        for a, b in zip(ours["choices"], theirs["choices"]):
-            if a["token_ids"] == b["token_ids"]:
-                assert a["text"] == b["text"] and a["finish"] == b["finish"], (i, request["body"])
-                continue
-            first = next((k for k, (x, y) in enumerate(zip(a["token_ids"], b["token_ids"])) if x != y), None)
-            assert first is not None, (f"request {i}: one answer stops early", request["body"], a, b)
-            assert not any(key in request["body"] for key in NOT_TIE_CHECKABLE), (i, first, request["body"])
-            gap = logprob_gap(plain.base_url, model, theirs["prompt_token_ids"], b["token_ids"][:first],
-                              a["token_ids"][first], b["token_ids"][first])
-            assert gap < TIE_LOGPROB_GAP, (f"request {i} differs at token {first} where the model's choice is "
-                                           f"clear (logprob gap {gap:.2e})", request["body"])
-            ties.append((i, first, gap))
-    assert greedy >= 60  # about half of the mix is greedy and not refused
-    assert len(ties) <= MAX_TIES, ties
+    found = compare_greedy(mix, results["mtpspec"], results["plain"], plain_url=plain.base_url, model=model)
+    assert not found["differences"], found["differences"]
+    assert found["greedy"] >= 60  # about half of the mix is greedy and not refused
+    assert found["identical"] + len(found["ties"]) == found["greedy"]
+    assert len(found["ties"]) <= MAX_TIES, found["ties"]
 
 
 def test_spec_decode_counters_agree_with_what_was_generated(answered):
@@ -276,7 +144,7 @@ def test_spec_decode_counters_agree_with_what_was_generated(answered):
 
 def test_clients_that_go_away_leave_no_request_running_and_no_kv_in_use(servers, answered, texts, tokenizer):
     model, plain, spec = servers
-    mix = request_mix(texts, tokenizer, random.Random(1))
+    mix = mix_of(texts, tokenizer, seed=1)
     long_prompts = [r["body"]["prompt"] for r in mix if isinstance(r["body"].get("prompt"), list)][:8]
 
     def cut_stream(i):
@@ -308,9 +176,9 @@ def test_clients_that_go_away_leave_no_request_running_and_no_kv_in_use(servers,
     assert now["vllm:num_requests_running"] == 0 and now["vllm:num_requests_waiting"] == 0, now
     assert now["vllm:kv_cache_usage_perc"] == 0, now
     # And it serves as before: a later batch answers as the plain server does.
-    later = [r for r in request_mix(texts, tokenizer, random.Random(2))
+    later = [r for r in mix_of(texts, tokenizer, seed=2)
              if not r["body"]["temperature"] and not refused_with_speculation(r["body"])][:16]
-    ours, theirs = send_all(spec.base_url, model, later), send_all(plain.base_url, model, later)
+    ours, theirs = send_all(spec.base_url, model, later, IN_FLIGHT), send_all(plain.base_url, model, later, IN_FLIGHT)
     assert [r["status"] for r in ours] == [200] * len(later)
     same = sum(a["choices"] == b["choices"] for a, b in zip(ours, theirs))
     assert same >= len(later) - MAX_TIES
