@@ -30,6 +30,42 @@ def test_batches_repeat_prompts_to_fill_every_batch():
     assert [len(b) for b in batches_for(prompts, 16)] == [16]
 
 
+def test_every_engine_decodes_each_settings_first_batch_untimed_before_its_rounds(tmp_path, monkeypatch):
+    """The figures are steady state: the planner has measured each kind of batch before it
+    is timed, and engines without speculation get the same warm-up."""
+    from vllm_mtpspec.bench import runner
+
+    calls = []
+
+    class FakeWorker:
+        def __init__(self, name, *args):
+            self.name = name
+
+        def wait_ready(self):
+            return None
+
+        def generate(self, batch):
+            calls.append((self.name, len(batch.prompts), batch.temperature, batch.max_tokens))
+            tokens = [[1] * batch.max_tokens for _ in batch.prompts]
+            return {"token_ids": tokens, "seconds": 1.0, "counters": {}}
+
+        def close(self):
+            pass
+
+    monkeypatch.setattr(runner, "EngineWorker", FakeWorker)
+    methods = [Method("none", "none", None), Method("other", "none", None)]
+    prompts = [Prompt(str(i)) for i in range(6)]
+    tallies = runner.run_benchmark(methods, prompts, model="m", batch_sizes=[4], temperatures=[0.0, 0.7],
+                                   max_new_tokens=5, rounds=2, engine={}, log_dir=tmp_path)
+    # Start-up (one prompt, 8 tokens), then per temperature: each engine's untimed first
+    # batch, then 2 rounds of the 2 batches of 4, the engines taking turns.
+    greedy = [c for c in calls if c[2] == 0.0 and c[3] == 5]
+    assert len(greedy) == 2 * (1 + 2 * 2) and greedy[:2] == [("none", 4, 0.0, 5), ("other", 4, 0.0, 5)]
+    assert len([c for c in calls if c[2] == 0.7]) == 2 * (1 + 2 * 2)
+    assert tallies[("none", 4, 0.0)].tokens == 2 * 2 * 4 * 5  # the warm-up batch is not counted
+    assert tallies[("other", 4, 0.7)].seconds == 2 * 2
+
+
 def test_unknown_methods_are_named(tmp_path):
     with pytest.raises(ValueError, match="unknown \\['medusa'\\]"):
         build_methods(["none", "medusa"], model_dir="m", heads_dirs=["h"], num_heads=[2], quants=["fp"],

@@ -182,7 +182,7 @@ def run(args) -> int:
                else f"{args.max_new_tokens} new tokens each")
     header = (f"## mtpspec bench: {Path(model).name}, {len(prompts)} prompts ({args.prompts}), "
               f"{lengths}\n\n{machine}; {engines} engines, each paused while another "
-              f"is timed; run took {time.time() - started:.0f} s\n\n`{run_stamp['command']}`")
+              f"is timed, each setting's first batch decoded once untimed; run took {time.time() - started:.0f} s\n\n`{run_stamp['command']}`")
     table = markdown(rows, methods, memory, header)
     print("\n" + table)
     if args.markdown:

@@ -1,7 +1,11 @@
 """Run every method on the same prompts, batch size by batch size, taking turns.
 
 For each batch size and temperature, every method decodes the same batches; the order of
-methods rotates from round to round. Every request decodes exactly max_new_tokens
+methods rotates from round to round. Before a setting's first timed batch, every engine
+decodes that setting's first batch once, untimed: the figures are an engine's steady
+state, as a server that has run a while sees it, where the draft-size planner has already
+measured what this kind of batch costs (it learns per batch size and for greedy and
+sampled batches apart). Engines without speculation get the same warm-up. Every request decodes exactly max_new_tokens
 (ignore_eos), so tokens per second compare like for like; the demo lets requests stop
 at their end of sequence instead (greedy outputs are identical, so lengths agree). Batch size 1 runs prompt by
 prompt, which also gives per-category figures.
@@ -100,10 +104,16 @@ def run_benchmark(methods: list[Method], prompts: list[Prompt], *, model: str, b
         tallies: dict[tuple[str, int, float], Tally] = {}
         active = [m for m in runnable if m.name in workers]
         plan = [(b, t, r) for b in batch_sizes for t in temperatures for r in range(rounds)]
-        total = sum(len(batches_for(prompts, b)) for b, _, _ in plan) * len(active)
+        total = sum(len(batches_for(prompts, b)) + (r == 0) for b, _, r in plan) * len(active)
         with tqdm(total=total, desc="benchmark", unit="batch") as bar:
             for batch_size, temperature, round_index in plan:
                 order = active[round_index % len(active):] + active[: round_index % len(active)]
+                if round_index == 0:
+                    first = batches_for(prompts, batch_size)[0]
+                    for method in order:
+                        bar.set_postfix(method=method.name, bs=batch_size, T=temperature, warm_up=True)
+                        workers[method.name].generate(Batch(list(first), temperature, max_new_tokens, ignore_eos))
+                        bar.update()
                 for group in batches_for(prompts, batch_size):
                     for method in order:
                         bar.set_postfix(method=method.name, bs=batch_size, T=temperature)
