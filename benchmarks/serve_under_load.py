@@ -19,7 +19,7 @@ import random
 import tempfile
 from pathlib import Path
 
-from vllm_mtpspec.bench.mixed_load import TIE_LOGPROB_GAP, compare_greedy, request_mix, send_all
+from vllm_mtpspec.bench.mixed_load import TIE_LOGPROB_GAP, compare_greedy, request_mix, send_all, server_args
 from vllm_mtpspec.bench.prompts import sharegpt_held_out_prompts
 from vllm_mtpspec.bench.servers import running_server
 from vllm_mtpspec.bench.stamp import describe, stamp
@@ -72,12 +72,11 @@ def main() -> None:
     texts = [p.text for p in sharegpt_held_out_prompts()]
     mix = request_mix(texts, tokenizer, random.Random(args.seed), num_requests=args.requests,
                       max_model_len=args.max_model_len)
-    server_args = ["--dtype", "float32", "--max-model-len", str(args.max_model_len), "--kv-cache-memory-bytes",
-                   "320M", "--max-num-seqs", "16", "--enforce-eager", "--seed", "0"]
+    plain_args = server_args(args.max_model_len)
     logs = Path(tempfile.mkdtemp(prefix="serve-under-load-"))
-    with running_server("plain", model, None, logs / "plain.log", server_args) as plain, \
+    with running_server("plain", model, None, logs / "plain.log", plain_args) as plain, \
             running_server("mtpspec", model, str(shipped_heads_dir()), logs / "mtpspec.log",
-                           [*server_args, "--num-speculative-tokens", str(args.num_speculative_tokens)]) as spec:
+                           [*plain_args, "--num-speculative-tokens", str(args.num_speculative_tokens)]) as spec:
         before = spec.metrics()
         results = {s.label: send_all(s.base_url, model, mix, args.in_flight) for s in (plain, spec)}
         after = spec.metrics()

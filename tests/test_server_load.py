@@ -18,7 +18,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import requests
 
-from vllm_mtpspec.bench.mixed_load import compare_greedy, refused_with_speculation, request_mix, send_all
+from vllm_mtpspec.bench.mixed_load import compare_greedy, refused_with_speculation, request_mix, send_all, server_args
 from vllm_mtpspec.bench.servers import running_server
 
 pytestmark = pytest.mark.slow
@@ -27,8 +27,7 @@ MAX_MODEL_LEN = 768
 NUM_REQUESTS = 160
 IN_FLIGHT = 64
 SPEC_TOKENS = 3
-SERVER_ARGS = ["--dtype", "float32", "--max-model-len", str(MAX_MODEL_LEN), "--kv-cache-memory-bytes", "320M",
-               "--max-num-seqs", "16", "--enforce-eager", "--seed", "0"]
+SERVER_ARGS = server_args(MAX_MODEL_LEN)
 # A tie at the first difference means both answers are the model's (mixed_load.py); any
 # other difference fails.
 MAX_TIES = 2

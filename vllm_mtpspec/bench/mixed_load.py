@@ -33,6 +33,13 @@ NOT_TIE_CHECKABLE = ("presence_penalty", "logit_bias", "structured_outputs", "re
 TIE_LOGPROB_GAP = 1e-4
 
 
+def server_args(max_model_len: int) -> list[str]:
+    """vllm serve arguments for both servers: fp32, at most 16 sequences at once (64 requests
+    in flight wait their turn), 320 MB of KV cache, eager."""
+    return ["--dtype", "float32", "--max-model-len", str(max_model_len), "--kv-cache-memory-bytes", "320M",
+            "--max-num-seqs", "16", "--enforce-eager", "--seed", "0"]
+
+
 def refused_with_speculation(body: dict) -> str | None:
     return next((phrase for key, phrase in REFUSED_WITH_SPECULATION.items() if key in body), None)
 
