@@ -19,7 +19,14 @@ import random
 import tempfile
 from pathlib import Path
 
-from vllm_mtpspec.bench.mixed_load import TIE_LOGPROB_GAP, compare_greedy, request_mix, send_all, server_args
+from vllm_mtpspec.bench.mixed_load import (
+    TIE_LOGPROB_GAP,
+    compare_greedy,
+    refused_with_speculation,
+    request_mix,
+    send_all,
+    server_args,
+)
 from vllm_mtpspec.bench.prompts import sharegpt_held_out_prompts
 from vllm_mtpspec.bench.servers import running_server
 from vllm_mtpspec.bench.stamp import describe, stamp
@@ -55,14 +62,15 @@ def markdown(result: dict) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--requests", type=int, default=160)
-    parser.add_argument("--in-flight", type=int, default=64)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--max-model-len", type=int, default=768)
-    parser.add_argument("--num-speculative-tokens", type=int, default=3)
-    parser.add_argument("--tie-gap", type=float, default=TIE_LOGPROB_GAP)
-    parser.add_argument("--json", required=True)
-    parser.add_argument("--markdown", default=None)
+    parser.add_argument("--requests", type=int, default=160, help="requests in the mix, sent to both servers")
+    parser.add_argument("--in-flight", type=int, default=64, help="requests sent at once")
+    parser.add_argument("--seed", type=int, default=0, help="the mix's random seed")
+    parser.add_argument("--max-model-len", type=int, default=768, help="both servers'; the longest prompts reach it")
+    parser.add_argument("--num-speculative-tokens", type=int, default=3, help="the mtpspec server's chain length")
+    parser.add_argument("--tie-gap", type=float, default=TIE_LOGPROB_GAP,
+                        help="logprob gap below which a parting is a tie (default %(default)g)")
+    parser.add_argument("--json", required=True, help="where to write the result")
+    parser.add_argument("--markdown", default=None, help="where to write it as a table too")
     args = parser.parse_args()
 
     from transformers import AutoTokenizer
@@ -87,7 +95,7 @@ def main() -> None:
         "max_model_len": args.max_model_len, "num_speculative_tokens": args.num_speculative_tokens,
         "tie_gap": args.tie_gap, "greedy": found,
         "answered": {label: sum(r.get("status") == 200 for r in replies) for label, replies in results.items()},
-        "refused_with_speculation": sum("logit_bias" in q["body"] for q in mix),
+        "refused_with_speculation": sum(refused_with_speculation(q["body"]) is not None for q in mix),
         "spec_decode": {k: after.get(f"vllm:spec_decode_{k}_total", 0.0) - before.get(f"vllm:spec_decode_{k}_total", 0.0)
                         for k in COUNTERS},
     }

@@ -5,8 +5,8 @@ methods rotates from round to round. Before a setting's first timed batch, every
 decodes that setting's first batch once, untimed: the figures are an engine's steady
 state, as a server that has run a while sees it, where the draft-size planner has already
 measured what this kind of batch costs (it learns per batch size and for greedy and
-sampled batches apart). Engines without speculation get the same warm-up. Every request decodes exactly max_new_tokens
-(ignore_eos), so tokens per second compare like for like; the demo lets requests stop
+sampled batches apart). Engines without speculation get the same warm-up. Every request
+decodes exactly max_new_tokens (ignore_eos), so tokens per second compare like for like; the demo lets requests stop
 at their end of sequence instead (greedy outputs are identical, so lengths agree). Batch size 1 runs prompt by
 prompt, which also gives per-category figures.
 """
