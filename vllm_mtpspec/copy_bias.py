@@ -22,6 +22,8 @@ import math
 import numpy as np
 import torch
 
+from vllm_mtpspec.host_copy import to_device_without_waiting
+
 # Repeat lengths with a bias of their own: a repeat of n tokens takes the bias of the
 # longest of these that is at most n.
 REPEAT_LENGTHS = (1, 2, 3, 4, 8, 16, 32)
@@ -89,15 +91,8 @@ def copy_drafts(contexts: list[np.ndarray], depth: int, biases: dict[str, float]
         if beta is not None:
             tokens[i, :len(follow)] = follow
             bias[i] = beta
-    return _on(torch.from_numpy(tokens), device), _on(torch.from_numpy(bias), device)
-
-
-def _on(host: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """host's copy on device; to a GPU from pinned memory, so that the copy goes with the
-    stream and the host does not wait for the device."""
-    if torch.device(device).type == "cuda":
-        return host.pin_memory().to(device, non_blocking=True)
-    return host.to(device)
+    return (to_device_without_waiting(torch.from_numpy(tokens), device),
+            to_device_without_waiting(torch.from_numpy(bias), device))
 
 
 def lean(logits: torch.Tensor, copy_tokens: torch.Tensor, bias: torch.Tensor, following: torch.Tensor,

@@ -43,6 +43,7 @@ import numpy as np
 import torch
 
 from vllm_mtpspec.draft_block import BlockCache, DraftBlock
+from vllm_mtpspec.host_copy import to_device_without_waiting
 from vllm_mtpspec.vllm.context_store import ContextStore
 
 
@@ -54,14 +55,6 @@ class ScheduledRows:
     # The states entering the block's feature layers at the same rows (vLLM's
     # aux_hidden_states, ascending layers), where the block reads any.
     layer_states: list[torch.Tensor] | None = None
-
-
-def to_device_without_waiting(host: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """A host tensor on `device`. To a GPU through a pinned copy, which goes with the stream:
-    the host does not wait for the device."""
-    if device.type == "cuda":
-        host = host.pin_memory()
-    return host.to(device, non_blocking=True)
 
 
 @dataclass
