@@ -6,9 +6,10 @@ decodes that setting's first batch once, untimed: the figures are an engine's st
 state, as a server that has run a while sees it, where the draft-size planner has already
 measured what this kind of batch costs (it learns per batch size and for greedy and
 sampled batches apart). Engines without speculation get the same warm-up. Every request
-decodes exactly max_new_tokens (ignore_eos), so tokens per second compare like for like; the demo lets requests stop
-at their end of sequence instead (greedy outputs are identical, so lengths agree). Batch size 1 runs prompt by
-prompt, which also gives per-category figures.
+decodes exactly max_new_tokens (ignore_eos), so tokens per second compare like for like;
+the demo lets requests stop at their end of sequence instead (greedy outputs are
+identical, so lengths agree). Batch size 1 runs prompt by prompt, which also gives
+per-category figures.
 """
 from __future__ import annotations
 
@@ -108,13 +109,13 @@ def run_benchmark(methods: list[Method], prompts: list[Prompt], *, model: str, b
         with tqdm(total=total, desc="benchmark", unit="batch") as bar:
             for batch_size, temperature, round_index in plan:
                 order = active[round_index % len(active):] + active[: round_index % len(active)]
+                groups = batches_for(prompts, batch_size)
                 if round_index == 0:
-                    first = batches_for(prompts, batch_size)[0]
                     for method in order:
                         bar.set_postfix(method=method.name, bs=batch_size, T=temperature, warm_up=True)
-                        workers[method.name].generate(Batch(list(first), temperature, max_new_tokens, ignore_eos))
+                        workers[method.name].generate(Batch(list(groups[0]), temperature, max_new_tokens, ignore_eos))
                         bar.update()
-                for group in batches_for(prompts, batch_size):
+                for group in groups:
                     for method in order:
                         bar.set_postfix(method=method.name, bs=batch_size, T=temperature)
                         reply = workers[method.name].generate(
